@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# bash run.sh MODE [N] [script arguments...]   (bash run.sh help for the modes)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+usage() {
+  cat <<'TXT'
+usage: bash run.sh MODE [N] [script arguments...]
+  single          train_single.py on one device
+  dp              train_dp.py: nn.DataParallel over all visible GPUs
+  launch [N]      train_ddp_launch.py under python -m torch.distributed.launch, N processes
+  ddp [N]         train_ddp_torchrun.py under torchrun, N processes per node
+  amp [N]         train_ddp_amp.py (mixed precision) under torchrun, N processes per node
+  bench [N]       throughput benchmark
+  test            the test suite (pytest)
+N defaults to the number of visible GPUs, or 2 on a CPU-only machine.
+Environment: TORCHRUN_ARGS (extra launcher options), NNODES + MASTER_ADDR + MASTER_PORT (multi-node), PYTHON.
+TXT
+}
+
+mode=${1:-}
+case "$mode" in
+  single|dp|launch|ddp|amp|bench|test) shift ;;
+  -h|--help|help) usage; exit 0 ;;
+  *) usage >&2; exit 2 ;;
+esac
+
+# Python: the current one if it has what we need, else .venv (made from requirements.txt on first use).
+needs="torch torchvision tensorboard"
+[ "$mode" = test ] && needs="$needs pytest"
+has_modules() {
+  "$1" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $needs \
+    2>/dev/null
+}
+PYTHON=${PYTHON:-python3}
+if ! has_modules "$PYTHON"; then
+  if ! { [ -x .venv/bin/python ] && has_modules .venv/bin/python; }; then
+    echo "run.sh: $needs not all importable by $PYTHON: installing requirements.txt into .venv" >&2
+    python3 -m venv .venv
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+  fi
+  PYTHON=.venv/bin/python
+fi
+
+case "$mode" in
+  single) exec "$PYTHON" train_single.py "$@" ;;
+  dp) exec "$PYTHON" train_dp.py "$@" ;;
+  test) exec "$PYTHON" -m pytest -q tests "$@" ;;
+esac
+
+# Multi-process modes: N, the GPU check and the threads per process.
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; else nproc=$(( gpus > 0 ? gpus : 2 )); fi
+if [ "$nproc" -lt 1 ]; then echo "run.sh: N must be at least 1" >&2; exit 2; fi
+if [ "$gpus" -gt 0 ] && [ "$nproc" -gt "$gpus" ]; then
+  echo "run.sh: $nproc processes but only $gpus visible GPU(s): use N <= $gpus (one process per GPU)" >&2
+  exit 2
+fi
+if [ "$gpus" -eq 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc)
+  export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))  # the processes share the cores
+fi
+
+if [ "$mode" = bench ]; then exec "$PYTHON" bench.py --nproc "$nproc" "$@"; fi
+
+# Single node: --standalone picks a free port. Multi-node: NNODES>1 and MASTER_ADDR:MASTER_PORT of node 0.
+read -r -a extra <<< "${TORCHRUN_ARGS:-}"
+if [ "${NNODES:-1}" -gt 1 ]; then
+  : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}" "${MASTER_PORT:=29500}"
+  where=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-train}}")
+else
+  where=(--standalone)
+fi
+case "$mode" in
+  launch) exec "$PYTHON" -m torch.distributed.launch "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
+            train_ddp_launch.py "$@" ;;
+  ddp) exec "$PYTHON" -m torch.distributed.run "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
+         train_ddp_torchrun.py "$@" ;;
+  amp) exec "$PYTHON" -m torch.distributed.run "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
+         train_ddp_amp.py "$@" ;;
+esac

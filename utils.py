@@ -1,0 +1,445 @@
+"""Helpers shared unchanged by every train_*.py script: arguments, data, model, checkpoints, logging.
+
+What differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts.
+"""
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torchvision
+import torchvision.transforms.v2.functional as TF
+from torch.utils.data import Dataset
+
+MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
+DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+DEMO_CLASSES = ("checkers", "dots", "hstripes", "rings", "vstripes")
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class UsageError(Exception):
+    """Bad input. The scripts print its message as one line, without a traceback, and exit with status 1."""
+
+    def __init__(self, message):
+        # A DataLoader worker re-raises our error in the main process with the worker's traceback in the
+        # message; keep only our own last line.
+        if "Traceback" in message:
+            message = message.strip().splitlines()[-1].split("Error: ", 1)[-1]
+        super().__init__(message)
+
+
+class BadImageError(UsageError):
+    """An image file that cannot be decoded. Only the process that read it knows, so that process reports it."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # raise instead of exiting, so that a multi-process job reports it once
+        raise UsageError(f"{message} (see --help)")
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+def get_args_parser(description):
+    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data-path", help="folder of class sub-folders, or of train/ and val/ class folders "
+                        "(default: the built-in demo data, generated into data/demo on first use)")
+    parser.add_argument("--model", default="resnet18", choices=MODELS)
+    parser.add_argument("--epochs", type=int, help="default: 12 on the demo data, 30 otherwise")
+    parser.add_argument("-b", "--batch-size", type=int, default=32, help="images per process and step")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate for a global batch of 256; "
+                        "scaled linearly to the real global batch, with linear warm-up and cosine decay")
+    parser.add_argument("-j", "--workers", type=int, default=2, help="data loading processes per training process")
+    parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
+    parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
+    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N optimizer steps")
+    parser.add_argument("--test-only", action="store_true", help="only evaluate the checkpoint given by --resume")
+    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints")
+    parser.add_argument("--freeze", action="store_true",
+                        help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
+    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
+                        "validation when --data-path has no train/ and val/ folders")
+    return parser
+
+
+def check_args(args):
+    """Validate the shared arguments and fill in the defaults that depend on the data."""
+    for name in ("epochs", "batch_size", "img_size", "print_freq"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.workers < 0 or args.save_every < 0:
+        raise UsageError("--workers and --save-every must be 0 or more")
+    if not 0 < args.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+    if args.test_only and not args.resume:
+        raise UsageError("--test-only evaluates a checkpoint: give it with --resume PATH")
+    if args.resume == "auto" and not args.output_dir:
+        raise UsageError("--resume auto continues the run in --output-dir: give that folder too")
+    demo = args.data_path is None
+    args.epochs = args.epochs or (12 if demo else 30)
+    args.img_size = args.img_size or (64 if demo else 224)
+    return args
+
+
+def get_device(requested):
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise UsageError(f"--device {requested} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {requested}: this machine has no usable CUDA GPU; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    return device
+
+
+def resolve_run(args, script):
+    """Decide the output folder and the checkpoint to resume from, without touching the disk.
+
+    A run never overwrites another run's outputs: the default folder is new, and a given folder that already
+    holds a checkpoint or results is refused unless the run continues it.
+    """
+    stem = Path(script).stem
+    if args.resume == "auto":
+        output_dir = Path(args.output_dir)
+        resume = output_dir / "last.pt" if (output_dir / "last.pt").exists() else None
+    elif args.resume:
+        resume = Path(args.resume)
+        if not resume.is_file():
+            raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt written by these scripts")
+        output_dir = Path(args.output_dir) if args.output_dir else None
+        if output_dir is None and not args.test_only:
+            output_dir = resume.parent  # continue the run where it was
+    else:
+        resume, output_dir = None, Path(args.output_dir) if args.output_dir else None
+    if output_dir is None:
+        output_dir = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        n = 1
+        while output_dir.exists():
+            n += 1
+            output_dir = output_dir.with_name(f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    taken = [name for name in ("last.pt", "results.json") if (output_dir / name).exists()]
+    if args.test_only and (output_dir / "results.json").exists():
+        taken = ["results.json"]
+    elif resume is not None and not args.test_only:
+        taken = []
+    if taken:
+        raise UsageError(f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
+                         f"--resume auto, or choose a new --output-dir")
+    return output_dir, resume
+
+
+# ------------------------------------------------------------------------------------------------- data
+def find_images(data_path, val_fraction):
+    """Return (class names, train samples, val samples); a sample is (path, class index).
+
+    Accepts a folder of class sub-folders (split per class by val_fraction, the same split whatever --seed)
+    or a folder holding train/ and val/ class folders.
+    """
+    root = Path(data_path)
+    if not root.is_dir():
+        raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        classes, train = _scan_classes(root / "train")
+        val_classes, val = _scan_classes(root / "val")
+        unknown = sorted(set(val_classes) - set(classes))
+        if unknown:
+            raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
+        val = [(path, classes.index(val_classes[label])) for path, label in val]
+    else:
+        classes, samples = _scan_classes(root)
+        train, val = [], []
+        for label in range(len(classes)):
+            files = [path for path, y in samples if y == label]
+            order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
+            n_val = round(val_fraction * len(files))
+            val += [(files[i], label) for i in sorted(order[:n_val])]
+            train += [(files[i], label) for i in sorted(order[n_val:])]
+    if not val:
+        raise UsageError(f"the validation split of {root} is empty; raise --val-fraction or add images")
+    if not train:
+        raise UsageError(f"the training split of {root} is empty; lower --val-fraction or add images")
+    return classes, train, val
+
+
+def _scan_classes(root):
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    samples = []
+    for label, name in enumerate(classes):
+        files = []
+        for folder, subfolders, names in os.walk(root / name):
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+            files += [os.path.join(folder, f) for f in sorted(names)
+                      if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+        if not files:
+            raise UsageError(f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                             f"add some or remove the folder")
+        samples += [(f, label) for f in files]
+    if not classes:
+        raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
+    if len(classes) < 2:
+        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
+    return classes, samples
+
+
+class ImageFiles(Dataset):
+    """Image files decoded to uint8 tensors of shape (3, size, size); normalise whole batches with normalize().
+
+    For training, an item is asked for as (epoch, index) and its random crop and flip are drawn from a generator
+    seeded by (seed, epoch, index) alone: the sample stream does not depend on workers, ranks or resumption.
+    """
+
+    def __init__(self, samples, img_size, train, seed=0):
+        self.samples, self.img_size, self.train, self.seed = samples, img_size, train, seed
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        epoch, index = key if self.train else (0, key)
+        path, label = self.samples[index]
+        image = decode_image(path)
+        if self.train:
+            generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
+            top, left, height, width, flip = random_crop_box(image.shape[-2], image.shape[-1], generator)
+            image = TF.resized_crop(image, top, left, height, width, [self.img_size] * 2, antialias=True)
+            if flip:
+                image = TF.horizontal_flip(image)
+        else:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
+            image = TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size)
+        return image, label
+
+
+def random_crop_box(height, width, generator, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)):
+    """RandomResizedCrop's box and a horizontal flip, drawn from `generator` instead of the global RNG."""
+    for _ in range(10):
+        area_u, ratio_u, top_u, left_u, flip_u = torch.rand(5, generator=generator).tolist()
+        area = height * width * (scale[0] + area_u * (scale[1] - scale[0]))
+        aspect = math.exp(math.log(ratio[0]) + ratio_u * (math.log(ratio[1]) - math.log(ratio[0])))
+        w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(top_u * (height - h + 1)), int(left_u * (width - w + 1)), h, w, flip_u < 0.5
+    return 0, 0, height, width, flip_u < 0.5
+
+
+def decode_image(path):
+    """Any image file as a 3-channel uint8 tensor: grey, palette, RGBA and CMYK images are converted to RGB."""
+    try:
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        return torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB)
+    except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
+        pass
+    try:
+        from PIL import Image
+        with Image.open(path) as image:
+            return TF.pil_to_tensor(image.convert("RGB"))
+    except Exception as error:
+        raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
+
+
+def normalize(images):
+    """uint8 batch -> float batch normalised with the ImageNet statistics; run it on the training device."""
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    return (images.float() / 255 - mean) / std
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Wraps a training sampler: yields (epoch, index) for ImageFiles, and can start mid-epoch after a resume."""
+
+    def __init__(self, sampler):
+        self.sampler, self.epoch, self.skip = sampler, 0, 0
+
+    def start(self, epoch, skip=0):
+        self.epoch, self.skip = epoch, skip
+
+    def __iter__(self):
+        for position, index in enumerate(self.sampler):
+            if position >= self.skip:
+                yield self.epoch, index
+
+    def __len__(self):
+        return len(self.sampler) - self.skip
+
+
+def demo_data():
+    """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
+    if DEMO_DIR.is_dir():
+        return DEMO_DIR
+    # Build it in a private folder and rename it into place, so that concurrent processes (DDP ranks) and a
+    # kill half-way never leave a partial dataset behind.
+    partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")
+    make_demo_images(partial)
+    try:
+        os.rename(partial, DEMO_DIR)
+    except OSError:  # another process finished first; its images are identical
+        import shutil
+        shutil.rmtree(partial, ignore_errors=True)
+    return DEMO_DIR
+
+
+def make_demo_images(folder, per_class=200, size=80):
+    """Deterministic textures, one kind per class, with random colours, scale, phase and noise."""
+    y, x = torch.meshgrid(torch.arange(size) / size, torch.arange(size) / size, indexing="ij")
+    for label, name in enumerate(DEMO_CLASSES):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            g = torch.Generator().manual_seed(label * 100_000 + i)
+            freq, phase, cx, cy = (2.5 + 4 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g),
+                                   torch.rand(1, generator=g), torch.rand(1, generator=g))
+            wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
+            pattern = {"checkers": wave(x) * wave(y) > 0, "dots": wave(x) * wave(y) > 0.6,
+                       "hstripes": wave(y) > 0, "vstripes": wave(x) > 0,
+                       "rings": wave(((x - cx) ** 2 + (y - cy) ** 2).sqrt()) > 0}[name].float()
+            background = torch.rand(3, 1, 1, generator=g)
+            foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
+            image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
+            jpeg = torchvision.io.encode_jpeg((image.clamp(0, 1) * 255).to(torch.uint8), quality=90)
+            (folder / name / f"{i:04d}.jpg").write_bytes(jpeg.numpy().tobytes())
+
+
+# ------------------------------------------------------------------------------------------------ model
+def build_model(name, num_classes, weights=None, freeze=False):
+    """A torchvision ResNet; `weights` is a local state dict (the classifier head is skipped if its shape differs)."""
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if weights:
+        state = load_file(weights, "--weights")
+        state = state.get("model", state)  # one of our checkpoints, or a bare state dict
+        own = model.state_dict()
+        skipped = [k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape]
+        state = {k: v for k, v in state.items() if k not in skipped}
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as error:
+            raise UsageError(f"--weights {weights} do not fit {name}: {str(error).splitlines()[1].strip()}") from None
+        if set(missing) - set(skipped) or unexpected:
+            raise UsageError(f"--weights {weights} do not fit {name}: {len(set(missing) - set(skipped))} missing and "
+                             f"{len(unexpected)} unexpected keys; pass weights saved from a {name}")
+    if freeze:
+        for param_name, param in model.named_parameters():
+            param.requires_grad = param_name.startswith("fc.")
+    return model
+
+
+def train_mode(model, freeze):
+    """model.train(), except that a frozen backbone keeps its BatchNorm layers in eval mode."""
+    model.train()
+    if freeze:
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.eval()
+
+
+def warmup_cosine(total_steps):
+    """LR factor per optimizer step: linear warm-up over the first 5% of steps, then cosine decay to zero."""
+    warmup = max(1, total_steps // 20)
+    return lambda step: (step + 1) / warmup if step < warmup else \
+        0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(state, output_dir, is_best=False):
+    """Write last.pt (and best.pt) atomically: a kill at any moment leaves the previous file intact."""
+    atomic_write(output_dir / "last.pt", lambda f: torch.save(state, f))
+    if is_best:
+        atomic_write(output_dir / "best.pt", lambda f: f.write((output_dir / "last.pt").read_bytes()))
+
+
+def atomic_write(path, write):
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def write_json(path, data):
+    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+def load_file(path, flag):
+    if not Path(path).is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise UsageError(f"{flag} {path}: not a readable checkpoint ({str(error).splitlines()[0][:120]})") from None
+
+
+def load_checkpoint(path, model_name, classes):
+    checkpoint = load_file(path, "--resume")
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
+        raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
+    if checkpoint["args"]["model"] != model_name or checkpoint["classes"] != classes:
+        raise UsageError(f"--resume {path} holds a {checkpoint['args']['model']} for {len(checkpoint['classes'])} "
+                         f"classes, not a {model_name} for these {len(classes)}; pass the matching --model/--data-path")
+    return checkpoint
+
+
+# --------------------------------------------------------------------------------------------- logging
+class Logger:
+    """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
+
+    def __init__(self, output_dir, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0, enabled=True):
+        self.enabled, self.epochs, self.steps_per_epoch = enabled, epochs, steps_per_epoch
+        self.global_batch, self.print_freq = global_batch, print_freq
+        self.train_images, self.train_seconds = 0, 0.0
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events a killed run logged after its last checkpoint
+            self.writer = SummaryWriter(str(output_dir), purge_step=purge_step or None)
+
+    def start_epoch(self, epoch, start_step=0):
+        self.epoch, self.epoch_steps = epoch, 0
+        self.epoch_start = self.last_time = self.step_end = time.perf_counter()
+        self.last_step = start_step
+
+    def step(self, step, global_step, loss, lr):
+        """Call after each optimizer step; `step` counts from 0 within the epoch."""
+        self.epoch_steps += 1
+        self.step_end = now = time.perf_counter()
+        if not self.enabled or (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
+            return
+        img_per_s = (step + 1 - self.last_step) * self.global_batch / (now - self.last_time)
+        eta = (now - self.epoch_start) / self.epoch_steps * (self.steps_per_epoch - step - 1)
+        loss = loss.item()  # the only host-device sync in the loop, once per print_freq steps
+        print(f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
+              f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s", flush=True)
+        self.writer.add_scalar("train/loss", loss, global_step)
+        self.writer.add_scalar("train/lr", lr, global_step)
+        self.writer.add_scalar("train/img_per_s", img_per_s, global_step)
+        self.last_time, self.last_step = now, step + 1
+
+    def end_epoch(self, global_step, val_loss, val_acc, val_count):
+        seconds = self.step_end - self.epoch_start  # training only, not the evaluation
+        self.train_seconds += seconds
+        self.train_images += self.epoch_steps * self.global_batch
+        if self.enabled:
+            print(f"epoch {self.epoch + 1}/{self.epochs}  val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% "
+                  f"({val_count} images)  train time {seconds:.1f}s", flush=True)
+            self.writer.add_scalar("val/loss", val_loss, global_step)
+            self.writer.add_scalar("val/acc", val_acc, global_step)
+            self.writer.flush()
+
+    def img_per_s(self):
+        return self.train_images / self.train_seconds if self.train_seconds else 0.0
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
