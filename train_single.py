@@ -42,7 +42,6 @@ def main(args):
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
     global_batch = args.batch_size
     lr = args.lr * global_batch / 256
-    print(f"global batch {global_batch} = {args.batch_size} per step; lr {args.lr} x {global_batch}/256 = {lr:g}")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
                                 weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
@@ -56,10 +55,11 @@ def main(args):
             scheduler.load_state_dict(checkpoint["scheduler"])
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
-            print(f"resuming from {resume}: epoch {start_epoch + 1}, step {start_step}")
     output_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{args.model} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-          f"{len(classes)} classes; output in {output_dir}")
+    print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+          f"{len(classes)} classes; output in {output_dir}\n"
+          f"global batch {global_batch} = {args.batch_size} per step; lr {args.lr} x {global_batch}/256 = {lr:g}"
+          + (f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}" if resume and not args.test_only else ""))
 
     if args.test_only:
         val_loss, val_acc, val_count = evaluate(model, val_loader, device)

@@ -1,0 +1,144 @@
+"""Train a torchvision ResNet image classifier with nn.DataParallel over all visible GPUs, in one process.
+
+train_single.py plus DataParallel: each step splits the batch between the GPUs and gathers the outputs on the
+first one. Simple, but one Python process feeds every GPU; DistributedDataParallel (train_ddp_*.py) scales better.
+    python train_dp.py                                   # on a CPU or a single GPU it runs unwrapped
+"""
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import utils
+
+
+def main(args):
+    start_time = time.time()
+    utils.check_args(args)
+    device = utils.get_device(args.device)
+    output_dir, resume = utils.resolve_run(args, __file__)
+
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
+    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
+    train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
+                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
+                              persistent_workers=args.workers > 0)
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
+                               f"({len(train_set)} images); lower it")
+
+    # Model
+    torch.manual_seed(args.seed)
+    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    model_without_dp = model  # saved and loaded as is: no "module." prefix in the checkpoints
+    gpus = torch.cuda.device_count() if device.type == "cuda" and device.index in (None, 0) else 0
+    if gpus > 1:
+        model = torch.nn.DataParallel(model)  # replicas on every visible GPU; the module must be on cuda:0
+    else:
+        print(f"DataParallel needs 2 or more GPUs: training unwrapped on {device}")
+
+    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
+    global_batch = args.batch_size
+    lr = args.lr * global_batch / 256
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
+                                weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
+
+    start_epoch, start_step, best_acc = 0, 0, -1.0
+    if resume:
+        checkpoint = utils.load_checkpoint(resume, args.model, classes)
+        model_without_dp.load_state_dict(checkpoint["model"])
+        if not args.test_only:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            torch.set_rng_state(checkpoint["rng"])
+            start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+          f"{len(classes)} classes; output in {output_dir}\n"
+          f"global batch {global_batch} split over {max(gpus, 1)} device(s); lr {args.lr} x {global_batch}/256 = {lr:g}"
+          + (f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}" if resume and not args.test_only else ""))
+
+    if args.test_only:
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
+        utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
+                                                       "val_count": val_count, "checkpoint": str(resume)})
+        return
+
+    def save(epoch, step, is_best=False):
+        utils.save_checkpoint({"model": model_without_dp.state_dict(), "optimizer": optimizer.state_dict(),
+                               "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                               "epoch": epoch, "step": step, "best_acc": best_acc,
+                               "args": vars(args), "classes": classes}, output_dir, is_best)
+
+    utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
+    log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
+                       purge_step=start_epoch * steps_per_epoch + start_step)
+    val_acc = None
+    for epoch in range(start_epoch, args.epochs):
+        shuffle.manual_seed(args.seed + epoch)
+        train_loader.sampler.start(epoch, skip=start_step * args.batch_size)
+        utils.train_mode(model, args.freeze)
+        log.start_epoch(epoch, start_step)
+        for step, (images, labels) in enumerate(train_loader, start=start_step):
+            images = utils.normalize(images.to(device, non_blocking=True))
+            labels = labels.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            global_step = epoch * steps_per_epoch + step + 1
+            log.step(step, global_step, loss, scheduler.get_last_lr()[0])
+            if args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
+                save(epoch, step + 1)
+        start_step = 0
+
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        is_best = val_acc > best_acc
+        best_acc = max(best_acc, val_acc)
+        save(epoch + 1, 0, is_best)
+    log.close()
+
+    if val_acc is None:  # the checkpoint had finished training already
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+    results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time}
+    utils.write_json(output_dir / "results.json", results)
+    print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
+          f"{results['train_img_per_s']:.1f} img/s\ncheckpoints, results.json and TensorBoard logs in {output_dir}; "
+          f"view them with: tensorboard --logdir {output_dir.parent}")
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Loss and top-1 accuracy over every validation image exactly once."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    for images, labels in loader:
+        images = utils.normalize(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += labels.numel()
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+if __name__ == "__main__":
+    try:
+        main(utils.get_args_parser(__doc__.splitlines()[0]).parse_args())
+    except utils.UsageError as error:
+        sys.exit(f"error: {error}")
