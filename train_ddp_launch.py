@@ -111,9 +111,9 @@ def main(args):
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             global_step = epoch * steps_per_epoch + step + 1
             log.step(step, global_step, loss, scheduler.get_last_lr()[0])

@@ -1,0 +1,113 @@
+"""Shared helpers for the test suite: tiny image datasets, running the scripts, comparing checkpoints.
+
+Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
+signatures stable.
+"""
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # so that tests can `import utils`
+
+# A fast argument list: tiny crops, small batches, two epochs, data loading in the main process, a progress
+# line (and TensorBoard train point) after every step.
+FAST = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1"]
+
+
+def make_dataset(root, counts, size=32, ext=".jpg"):
+    """Write a deterministic class-folder image dataset and return its root as a Path.
+
+    Class i is the folder "c<i>" with counts[i] images of size x size pixels. Each class has its own colour
+    and stripe pattern (so a small network can tell them apart); every image adds its own seeded noise.
+    """
+    root = Path(root)
+    y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
+                          indexing="ij")
+    for label, count in enumerate(counts):
+        folder = root / f"c{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        colour_gen = torch.Generator().manual_seed(1000 + label)
+        background = torch.rand(3, 1, 1, generator=colour_gen) * 0.5
+        foreground = background + 0.3 + 0.2 * torch.rand(3, 1, 1, generator=colour_gen)
+        period = 2 + label % 5
+        axis = x if label % 2 == 0 else y
+        pattern = ((axis // period) % 2).expand(3, size, size)
+        clean = background + (foreground - background) * pattern
+        for i in range(count):
+            noise_gen = torch.Generator().manual_seed(label * 100_000 + i)
+            image = (clean + 0.06 * torch.randn(3, size, size, generator=noise_gen)).clamp(0, 1)
+            image = (image * 255).round().to(torch.uint8)
+            path = folder / f"{i:04d}{ext}"
+            if ext.lower() in (".jpg", ".jpeg"):
+                path.write_bytes(torchvision.io.encode_jpeg(image, quality=95).numpy().tobytes())
+            elif ext.lower() == ".png":
+                path.write_bytes(torchvision.io.encode_png(image).numpy().tobytes())
+            else:  # any other format PIL writes, chosen by the extension
+                from PIL import Image
+                buffer = io.BytesIO()
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format=Image.registered_extensions()
+                                                                    [ext.lower()])
+                path.write_bytes(buffer.getvalue())
+    return root
+
+
+def run_script(script, *args, cwd=REPO, timeout=120, env=None):
+    """Run `python script *args` (script relative to cwd unless absolute); return the CompletedProcess.
+
+    Raises subprocess.TimeoutExpired (and kills the process) when it runs past `timeout` seconds.
+    """
+    if env is None:
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def load_model_state(path):
+    """The "model" entry (a plain state dict) of a checkpoint written by the scripts."""
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def assert_same_weights(a, b, atol=0.0):
+    """Same keys and shapes, integer tensors equal, and max |a - b| <= atol over float tensors (0: bitwise)."""
+    assert set(a) == set(b), (f"different keys: only in first {sorted(set(a) - set(b))[:5]}, "
+                              f"only in second {sorted(set(b) - set(a))[:5]}")
+    worst_key, worst = None, -1.0
+    for key in a:
+        x, y = a[key], b[key]
+        assert x.shape == y.shape, f"{key}: shape {tuple(x.shape)} != {tuple(y.shape)}"
+        if x.is_floating_point():
+            if atol == 0.0:
+                same = torch.equal(x, y)
+                diff = 0.0 if same else (x.double() - y.double()).abs().max().item()
+                if not same and diff == 0.0:  # e.g. NaN or -0.0 versus 0.0: not bitwise equal all the same
+                    diff = float("inf")
+            else:
+                diff = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+            if diff > worst:
+                worst_key, worst = key, diff
+        else:
+            assert torch.equal(x, y), f"{key}: integer tensors differ ({x.flatten()[:4]} vs {y.flatten()[:4]})"
+    assert worst <= atol, f"weights differ: max |difference| {worst:.3g} > {atol} at {worst_key}"
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """3 classes of 32x32 JPEGs, 22 + 21 + 24 = 67 images.
+
+    With --val-fraction 0.25 (per class round(0.25 * n): 6 + 5 + 6) the validation split holds 17 images
+    (divisible neither by 2 nor by 3, so it cannot be sharded evenly) and the training split 16 + 16 + 18 = 50,
+    which with -b 8 and drop_last is 6 steps per epoch.
+    """
+    import utils
+    root = make_dataset(tmp_path_factory.mktemp("tiny") / "data", [22, 21, 24])
+    classes, train, val = utils.find_images(root, 0.25)
+    assert classes == ["c0", "c1", "c2"] and len(train) == 50 and len(val) == 17, (len(train), len(val))
+    return root

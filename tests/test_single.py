@@ -1,0 +1,397 @@
+"""train_single.py, run as a user runs it: a real subprocess on tiny data, checked by its outputs.
+
+Training runs are shared across tests (module-scoped fixtures) because each costs seconds of CPU.
+"""
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torchvision
+
+from conftest import FAST, REPO, assert_same_weights, load_model_state, make_dataset, run_script
+
+SCRIPT = "train_single.py"
+PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
+EPOCHS, STEPS_PER_EPOCH, VAL_COUNT = 2, 6, 17  # FAST on tiny_data: 50 training images // batch 8; 17 held out
+SAVE_EVERY = 2
+
+
+def train_args(data, output_dir, *extra):
+    return ["--data-path", data, "--val-fraction", "0.25", *FAST, "--save-every", str(SAVE_EVERY),
+            "--output-dir", output_dir, *extra]
+
+
+def check_ok(proc):
+    assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
+                                  f"--- stderr\n{proc.stderr[-3000:]}")
+
+
+def progress_steps(stdout):
+    """Global step numbers of the progress lines in a run's stdout."""
+    steps = []
+    for line in stdout.splitlines():
+        match = PROGRESS.match(line)
+        if match:
+            epoch, _, step, steps_per_epoch = map(int, match.groups())
+            steps.append((epoch - 1) * steps_per_epoch + step)
+    return steps
+
+
+def scalars(run_dir):
+    """TensorBoard scalars of a run folder as {tag: [(step, value), ...]}, read the way TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def snapshot(*folders):
+    """{file: (mtime, sha256)} of every file under the folders."""
+    files = {}
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                files[path] = (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+    return files
+
+
+def assert_untouched(before):
+    changed = [str(path) for path, state in before.items()
+               if not path.is_file() or (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+               != state]
+    assert not changed, f"files changed or removed: {changed}"
+
+
+# ------------------------------------------------------------------------------------------ shared runs
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """Three complete runs: the baseline, the same again, and the same with 2 loader workers.
+
+    One after the other: side by side, their threads would fight over the 2 cores and take several times longer.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    variants = {"baseline": [], "repeat": [], "workers2": ["--workers", "2"]}
+    return {name: SimpleNamespace(dir=root / name,
+                                  proc=run_script(SCRIPT, *train_args(tiny_data, root / name, *extra)))
+            for name, extra in variants.items()}
+
+
+@pytest.fixture(scope="module")
+def baseline(runs):
+    check_ok(runs["baseline"].proc)
+    return runs["baseline"]
+
+
+def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
+    check_ok(runs["repeat"].proc)
+    trained = load_model_state(baseline.dir / "last.pt")
+    assert_same_weights(trained, load_model_state(runs["repeat"].dir / "last.pt"))
+    assert_same_weights(load_model_state(baseline.dir / "best.pt"), load_model_state(runs["repeat"].dir / "best.pt"))
+    # and the weights are trained ones, not the seeded initial weights saved unchanged
+    torch.manual_seed(0)
+    initial = torchvision.models.resnet18(num_classes=3).state_dict()
+    assert max((trained[key] - initial[key]).abs().max().item() for key in initial
+               if initial[key].is_floating_point()) > 1e-3
+
+
+def test_loader_workers_do_not_change_weights(runs, baseline):
+    check_ok(runs["workers2"].proc)
+    assert_same_weights(load_model_state(baseline.dir / "last.pt"), load_model_state(runs["workers2"].dir / "last.pt"))
+
+
+def test_results_and_checkpoints(baseline, tiny_data):
+    import utils
+    _, _, val = utils.find_images(tiny_data, 0.25)
+    results = json.loads((baseline.dir / "results.json").read_text())
+    for key in ("best_acc", "final_acc"):
+        assert 0.0 <= results[key] <= 1.0, (key, results[key])
+    assert results["best_acc"] >= results["final_acc"]
+    assert results["best_acc"] > 0.5, "3 easy classes: training should beat chance clearly"
+    assert results["val_loss"] > 0 and results["val_loss"] == results["val_loss"]  # not NaN
+    assert results["val_count"] == len(val) == VAL_COUNT
+    assert results["epochs"] == EPOCHS
+    assert results["train_img_per_s"] > 0
+    assert results["wall_s"] > 0
+    assert json.loads((baseline.dir / "class_indices.json").read_text()) == {"0": "c0", "1": "c1", "2": "c2"}
+    for name in ("last.pt", "best.pt"):
+        checkpoint = torch.load(baseline.dir / name, map_location="cpu", weights_only=True)
+        model = torchvision.models.resnet18(num_classes=3)
+        model.load_state_dict(checkpoint["model"])  # strict: a plain state dict, no "module." prefix
+
+
+def test_test_only_evaluates_without_touching_the_run(baseline, tiny_data, tmp_path):
+    before = snapshot(baseline.dir)
+    results = json.loads((baseline.dir / "results.json").read_text())
+    proc = run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
+                      "--resume", baseline.dir / "best.pt", "--output-dir", tmp_path / "eval")
+    check_ok(proc)
+    evaluated = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert evaluated["val_count"] == VAL_COUNT
+    assert evaluated["val_acc"] == results["best_acc"], "best.pt should score the best accuracy of the run"
+    assert 0 < evaluated["val_loss"] < 20
+    assert_untouched(before)
+    assert sorted(p.name for p in baseline.dir.iterdir()) == sorted(p.name for p in before)
+
+
+def test_tensorboard_scalars(baseline):
+    logged = scalars(baseline.dir)
+    train_steps = list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    val_steps = [STEPS_PER_EPOCH * (epoch + 1) for epoch in range(EPOCHS)]
+    for tag in ("train/loss", "train/lr", "train/img_per_s"):
+        assert tag in logged, f"{tag} missing; logged: {sorted(logged)}"
+        assert [step for step, _ in logged[tag]] == train_steps, tag
+    for tag in ("val/loss", "val/acc"):
+        assert tag in logged, f"{tag} missing; logged: {sorted(logged)}"
+        assert [step for step, _ in logged[tag]] == val_steps, tag
+    assert all(value > 0 for _, value in logged["train/img_per_s"])
+    assert all(value >= 0 for _, value in logged["train/lr"])
+    results = json.loads((baseline.dir / "results.json").read_text())
+    accuracies = [value for _, value in logged["val/acc"]]
+    assert accuracies[-1] == pytest.approx(results["final_acc"], abs=1e-6)
+    assert max(accuracies) == pytest.approx(results["best_acc"], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ kill and resume
+@pytest.fixture(scope="module")
+def resumed(tiny_data, tmp_path_factory):
+    """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
+    out = tmp_path_factory.mktemp("resume") / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
+    stdout, killed_after = [], None
+    with open(out.parent / "killed.stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        saved = []  # global steps after which the script wrote a mid-epoch checkpoint
+        for line in proc.stdout:
+            stdout.append(line)
+            match = PROGRESS.match(line)
+            if not match:
+                continue
+            epoch, _, step, steps_per_epoch = map(int, match.groups())
+            global_step = (epoch - 1) * steps_per_epoch + step
+            if step < steps_per_epoch and saved and saved[-1] < global_step:
+                proc.send_signal(signal.SIGKILL)  # mid-epoch, a step after a checkpoint was written
+                killed_after = line
+                break
+            if global_step % SAVE_EVERY == 0 and step < steps_per_epoch:
+                saved.append(global_step)  # the script checkpoints right after printing this line
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None and killed_after is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    result = SimpleNamespace(dir=out, killed_after=killed_after, killed_status=proc.returncode,
+                             killed_stdout="".join(stdout),
+                             killed_stderr=(out.parent / "killed.stderr").read_text(),
+                             results_after_kill=(out / "results.json").exists(), checkpoint=None, proc=None)
+    if (out / "last.pt").exists():
+        checkpoint = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+        result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "step")}
+    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"))
+    return result
+
+
+def test_kill_mid_epoch_and_resume_gives_identical_weights(resumed, baseline):
+    assert resumed.killed_after is not None, (f"no mid-epoch progress line after a checkpoint\n"
+                                              f"{resumed.killed_stdout}\n{resumed.killed_stderr}")
+    assert resumed.killed_status == -signal.SIGKILL, "the run finished before the kill landed"
+    assert not resumed.results_after_kill
+    assert resumed.checkpoint is not None, "no last.pt after the kill, although --save-every 2 had saved"
+    assert resumed.checkpoint["step"] > 0, f"the kill was meant to leave a mid-epoch checkpoint: {resumed.checkpoint}"
+    check_ok(resumed.proc)
+    # it continued after the checkpoint instead of starting over, and did every remaining step once
+    done = (resumed.checkpoint["epoch"] * STEPS_PER_EPOCH + resumed.checkpoint["step"])
+    assert progress_steps(resumed.proc.stdout) == list(range(done + 1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert_same_weights(load_model_state(resumed.dir / "last.pt"), load_model_state(baseline.dir / "last.pt"))
+    results = json.loads((resumed.dir / "results.json").read_text())
+    expected = json.loads((baseline.dir / "results.json").read_text())
+    for key in ("best_acc", "final_acc", "val_loss", "val_count", "epochs"):
+        assert results[key] == expected[key], key
+
+
+def test_resume_keeps_tensorboard_curves_complete(resumed, baseline):
+    """After the resume, TensorBoard shows the same curves as the uninterrupted run: no point lost or doubled."""
+    check_ok(resumed.proc)
+    logged, expected = scalars(resumed.dir), scalars(baseline.dir)
+    for tag in ("train/loss", "train/lr", "val/loss", "val/acc"):
+        assert [step for step, _ in logged.get(tag, [])] == [step for step, _ in expected[tag]], tag
+        assert logged[tag] == expected[tag], tag
+
+
+def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    child = (
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from pathlib import Path\n"
+        "import torch, utils\n"
+        "out = Path(sys.argv[2])\n"
+        "utils.save_checkpoint({'model': {'w': torch.arange(6.0)}, 'epoch': 1}, out)\n"
+        "print('first written', flush=True)\n"
+        "utils.save_checkpoint({'model': {'w': torch.ones(75_000_000)}, 'epoch': 2}, out)  # 300 MB\n"
+        "print('second written', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(REPO), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    temporary = out / f".last.pt.{proc.pid}.tmp"
+    try:
+        assert proc.stdout.readline().strip() == "first written"
+        deadline = time.monotonic() + 30
+        while not temporary.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert temporary.exists(), f"never saw {temporary.name} (status {proc.poll()}): the write went unseen"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, "the second write finished before the kill"
+    state = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    assert state["epoch"] == 1
+    assert torch.equal(state["model"]["w"], torch.arange(6.0))
+
+
+# ---------------------------------------------------------------------------------------------- demo data
+def test_demo_data_is_deterministic(tmp_path):
+    import utils
+    utils.make_demo_images(tmp_path / "a", per_class=3)
+    utils.make_demo_images(tmp_path / "b", per_class=3)
+    assert len(utils.DEMO_CLASSES) == 5
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(utils.DEMO_CLASSES)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert len(files) == 5 * 3
+    differing = [str(f) for f in files if (tmp_path / "a" / f).read_bytes() != (tmp_path / "b" / f).read_bytes()]
+    assert not differing, f"demo images differ between two generations: {differing}"
+    first_images = {(tmp_path / "a" / name / sorted(os.listdir(tmp_path / "a" / name))[0]).read_bytes()
+                    for name in utils.DEMO_CLASSES}
+    assert len(first_images) == 5, "classes should not share images"
+    image = utils.decode_image(tmp_path / "a" / utils.DEMO_CLASSES[0] / sorted(files)[0].name)
+    assert image.shape == (3, 80, 80) and image.dtype == torch.uint8
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
+    """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched."""
+    missing = tmp_path / "no-such-folder"
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a dataset\n")
+    nothing = tmp_path / "nothing_here"
+    nothing.mkdir()
+    (nothing / "readme.txt").write_text("no images here\n")
+    empty_class = make_dataset(tmp_path / "empty_class", [6, 6])
+    (empty_class / "c2").mkdir()
+    (empty_class / "c2" / "readme.txt").write_text("no images here\n")
+    one_class = make_dataset(tmp_path / "one_class", [12])
+    tiny_val = make_dataset(tmp_path / "tiny_val", [1, 1, 1])  # round(0.25 * 1) = 0 held out per class
+    broken = make_dataset(tmp_path / "broken", [11, 10, 11])  # 24 training images: every one read in epoch 1
+    (broken / "c1" / "0010.jpg").write_bytes(b"\xff\xd8 this is not a JPEG " * 20)
+    two_classes = make_dataset(tmp_path / "two_classes", [10, 10])
+    old_run = tmp_path / "old_run"
+    old_run.mkdir()
+    shutil.copyfile(baseline.dir / "last.pt", old_run / "last.pt")
+    truncated = tmp_path / "truncated.pt"
+    data = (old_run / "last.pt").read_bytes()
+    truncated.write_bytes(data[:len(data) // 2])
+    text_pt = tmp_path / "x.pt"
+    text_pt.write_text("this is not a checkpoint\n")
+    resnet50 = tmp_path / "resnet50.pt"
+    torch.save(torchvision.models.resnet50().state_dict(), resnet50)
+
+    # name: (arguments, words the error line must contain (a tuple: any one of them), case-insensitive)
+    no_such = ("no such", "not found", "does not exist", "not exist")
+    cases = {
+        "missing --data-path": (["--data-path", missing], ["no-such-folder"]),
+        "--data-path is a file": (["--data-path", a_file], ["notes.txt", ("directory", "folder")]),
+        "folder without images": (["--data-path", nothing], ["nothing_here", ("class", "image")]),
+        "class folder without images": (["--data-path", empty_class], ["c2", "no image"]),
+        "only one class": (["--data-path", one_class], [("one class", "at least 2", "two classes")]),
+        "empty validation split": (["--data-path", tiny_val], [("validation", "val split"), "empty"]),
+        "undecodable image": (["--data-path", broken], ["0010.jpg", "decode"]),
+        "undecodable image, 2 workers": (["--data-path", broken, "--workers", "2"], ["0010.jpg", "decode"]),
+        "--batch-size 0": (["--data-path", tiny_data, "-b", "0"], ["--batch-size"]),
+        "--epochs 0": (["--data-path", tiny_data, "--epochs", "0"], ["--epochs"]),
+        "--workers -1": (["--data-path", tiny_data, "--workers", "-1"], ["--workers"]),
+        "--val-fraction 0": (["--data-path", tiny_data, "--val-fraction", "0"], ["--val-fraction"]),
+        "--val-fraction 1.5": (["--data-path", tiny_data, "--val-fraction", "1.5"], ["--val-fraction"]),
+        "--resume missing": (["--data-path", tiny_data, "--resume", tmp_path / "nope.pt"], ["nope.pt", no_such]),
+        "--resume truncated": (["--data-path", tiny_data, "--resume", truncated], ["truncated.pt", "checkpoint"]),
+        "--resume text file": (["--data-path", tiny_data, "--resume", text_pt], ["x.pt", "checkpoint"]),
+        "--resume other classes": (["--data-path", two_classes, "--resume", old_run / "last.pt"],
+                                   ["last.pt", "class"]),
+        "--weights of resnet50": (["--data-path", tiny_data, "--weights", resnet50], ["resnet50.pt", "resnet18"]),
+        "unknown --model": (["--data-path", tiny_data, "--model", "resnet9"], ["resnet9"]),
+        "--device cuda": (["--data-path", tiny_data, "--device", "cuda"], ["cuda", "gpu"]),
+        "--output-dir of an earlier run": (["--data-path", tiny_data, "--output-dir", old_run],
+                                           ["old_run", ("already", "earlier", "exists")]),
+    }
+    before = snapshot(tmp_path, tiny_data)
+
+    def run(name):
+        args, _ = cases[name]
+        output_dir = ["--output-dir", tmp_path / "out" / re.sub(r"\W+", "_", name)]
+        try:
+            return run_script(SCRIPT, "--val-fraction", "0.25", *FAST, *output_dir, *args, timeout=60,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # one thread each: they run 3 at a time
+        except subprocess.TimeoutExpired:
+            return None
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        procs = dict(zip(cases, pool.map(run, cases)))
+
+    failures = []
+    for name, proc in procs.items():
+        if proc is None:
+            failures.append(f"{name}: still running after 60 s")
+            continue
+        lines = proc.stderr.strip().splitlines()
+        problems = []
+        if proc.returncode == 0:
+            problems.append("exit status 0")
+        if "Traceback" in proc.stderr:
+            problems.append("a traceback")
+        if len(lines) != 1 or not lines[0].startswith("error:"):
+            problems.append(f"{len(lines)} stderr lines, not one starting with 'error:'")
+        else:
+            for words in cases[name][1]:
+                words = (words,) if isinstance(words, str) else words
+                if not any(word.lower() in lines[0].lower() for word in words):
+                    problems.append(f"no {' / '.join(map(repr, words))} in the message")
+        if problems:
+            failures.append(f"{name}: {', '.join(problems)}\n    stderr: {proc.stderr.strip()[-1500:]!r}")
+    assert not failures, "\n".join(failures)
+    assert_untouched(before)
+
+
+# ------------------------------------------------------------------------------------------------ run.sh
+def test_run_sh_usage():
+    bad = subprocess.run(["bash", "run.sh", "nonsense"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2
+    assert "usage: bash run.sh MODE" in bad.stderr and "single" in bad.stderr
+    good = subprocess.run(["bash", "run.sh", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert good.returncode == 0
+    assert "usage: bash run.sh MODE" in good.stdout
