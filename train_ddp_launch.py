@@ -66,7 +66,7 @@ def main(args):
                                 weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
 
-    start_epoch, start_step, best_acc = 0, 0, -1.0
+    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
         model.module.load_state_dict(checkpoint["model"])
@@ -75,13 +75,13 @@ def main(args):
             scheduler.load_state_dict(checkpoint["scheduler"])
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
+            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
         print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
               f"{len(classes)} classes; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes; "
-              f"lr {args.lr} x {global_batch}/256 = {lr:g}"
-              + (f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}" if resume and not args.test_only else ""))
+              f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
         val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)

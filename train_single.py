@@ -46,7 +46,7 @@ def main(args):
                                 weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
 
-    start_epoch, start_step, best_acc = 0, 0, -1.0
+    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
         model.load_state_dict(checkpoint["model"])
@@ -55,11 +55,12 @@ def main(args):
             scheduler.load_state_dict(checkpoint["scheduler"])
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
+            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
     output_dir.mkdir(parents=True, exist_ok=True)
     print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
           f"{len(classes)} classes; output in {output_dir}\n"
-          f"global batch {global_batch} = {args.batch_size} per step; lr {args.lr} x {global_batch}/256 = {lr:g}"
-          + (f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}" if resume and not args.test_only else ""))
+          f"global batch {global_batch} = {args.batch_size} per step; "
+          f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
         val_loss, val_acc, val_count = evaluate(model, val_loader, device)
@@ -132,7 +133,8 @@ def evaluate(model, loader, device):
 
 
 if __name__ == "__main__":
+    parser = utils.get_args_parser(__doc__.splitlines()[0])
     try:
-        main(utils.get_args_parser(__doc__.splitlines()[0]).parse_args())
+        main(parser.parse_args())
     except utils.UsageError as error:
         sys.exit(f"error: {error}")

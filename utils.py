@@ -115,7 +115,7 @@ def resolve_run(args, script):
     elif args.resume:
         resume = Path(args.resume)
         if not resume.is_file():
-            raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt written by these scripts")
+            raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt from an earlier run")
         output_dir = Path(args.output_dir) if args.output_dir else None
         if output_dir is None and not args.test_only:
             output_dir = resume.parent  # continue the run where it was

@@ -1,0 +1,238 @@
+"""Train a torchvision ResNet image classifier with DistributedDataParallel and mixed precision, under torchrun.
+
+train_ddp_torchrun.py plus torch.autocast: bf16 (CPUs and recent GPUs) or fp16 with a GradScaler (CUDA), and
+gradient clipping (--clip-grad) on the unscaled gradients:
+    torchrun --standalone --nproc-per-node=2 train_ddp_amp.py --amp-dtype bf16
+"""
+import contextlib
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import utils
+
+
+def main(args):
+    start_time = time.time()
+    utils.check_args(args)
+    device = utils.get_device(args.device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp_dtype]
+    if amp_dtype == torch.float16 and device.type != "cuda":
+        raise utils.UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
+    if amp_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise utils.UsageError("this GPU has no bf16 support; use --amp-dtype fp16")
+    # torchrun --max-restarts reruns this same command after a failure; the new processes continue from the last
+    # checkpoint, so the output folder must be the same for every attempt: the run id is.
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        args.output_dir = args.output_dir or f"runs/{Path(__file__).stem}-{os.environ['TORCHELASTIC_RUN_ID']}"
+        if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and (Path(args.output_dir) / "last.pt").exists():
+            args.resume = "auto"
+    output_dir, resume = utils.resolve_run(args, __file__)
+
+    # DDP: one process per device. torchrun's environment tells each process its ranks and the master's address.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
+            raise utils.UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT for the whole job, across elastic restarts, and
+    # since torch 2.x a restarted group reads the dead group's keys from it (seen: "Gloo connectFullMesh failed",
+    # hangs). A key prefix per restart gives each attempt a clean namespace.
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=args.dist_timeout)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
+                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
+
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
+    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
+    # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
+    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
+                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
+                              persistent_workers=args.workers > 0)
+    # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
+    val_set = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+    steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
+    if steps_per_epoch == 0:
+        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is larger than "
+                               f"each process's share of the training set ({len(train_loader)} batches); lower it")
+
+    # Model
+    torch.manual_seed(args.seed)
+    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    if args.sync_bn and device.type == "cuda":
+        # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn and rank == 0:
+        print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
+    # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    allreduces = [0]  # counted by a communication hook, to show that no_sync() skips them
+
+    def counted_allreduce(state, bucket):
+        allreduces[0] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+    model.register_comm_hook(None, counted_allreduce)
+
+    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
+    global_batch = args.batch_size * world_size * args.accum_steps
+    lr = args.lr * global_batch / 256
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
+                                weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
+    # fp16 has a narrow range: scale the loss up so small gradients do not flush to zero. bf16 needs no scaler.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+
+    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
+    if resume:
+        checkpoint = utils.load_checkpoint(resume, args.model, classes)
+        model.module.load_state_dict(checkpoint["model"])
+        if not args.test_only:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            scaler.load_state_dict(checkpoint["scaler"])
+            torch.set_rng_state(checkpoint["rng"])
+            start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
+            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
+    if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+              f"{len(classes)} classes; output in {output_dir}\n"
+              f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
+              f"{args.accum_steps} accumulation steps; "
+              f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
+
+    if args.test_only:
+        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+        if rank == 0:
+            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
+            utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
+                                                           "val_count": val_count, "checkpoint": str(resume)})
+        return
+
+    def save(epoch, step, is_best=False):
+        utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                               "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                               "scaler": scaler.state_dict(),
+                               "epoch": epoch, "step": step, "best_acc": best_acc,
+                               "args": vars(args), "classes": classes}, output_dir, is_best)
+
+    if rank == 0:
+        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
+    log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
+                       purge_step=start_epoch * steps_per_epoch + start_step, enabled=rank == 0)
+    val_acc = None
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
+        train_loader.sampler.start(epoch, skip=start_step * args.accum_steps * args.batch_size)
+        utils.train_mode(model, args.freeze)
+        log.start_epoch(epoch, start_step)
+        for micro_step, (images, labels) in enumerate(train_loader, start=start_step * args.accum_steps):
+            step, micro = divmod(micro_step, args.accum_steps)
+            if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
+                break
+            images = utils.normalize(images.to(device, non_blocking=True))
+            labels = labels.to(device, non_blocking=True)
+            # Accumulate: all-reduce only on the last micro-step; no_sync() keeps the other gradients local.
+            with model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=amp_dtype):  # the forward pass and the loss only
+                    loss = F.cross_entropy(model(images), labels) / args.accum_steps
+                scaler.scale(loss).backward()
+            if micro < args.accum_steps - 1:
+                continue
+            # Clip the true gradients: unscale them first (a no-op for bf16), then clip, then step.
+            scaler.unscale_(optimizer)
+            if args.clip_grad:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            scaler.step(optimizer)  # skipped when fp16 gradients overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            global_step = epoch * steps_per_epoch + step + 1
+            log.step(step, global_step, loss * args.accum_steps, scheduler.get_last_lr()[0])
+            if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
+                save(epoch, step + 1)
+        start_step = 0
+
+        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        is_best = val_acc > best_acc
+        best_acc = max(best_acc, val_acc)
+        if rank == 0:
+            save(epoch + 1, 0, is_best)
+    log.close()
+
+    if val_acc is None:  # the checkpoint had finished training already
+        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+    if rank > 0:
+        return
+    results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "allreduces": allreduces[0],
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time}
+    utils.write_json(output_dir / "results.json", results)
+    print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
+          f"{results['train_img_per_s']:.1f} img/s, {allreduces[0]} gradient all-reduces (buckets x optimizer steps)\n"
+          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
+          f"view them with: tensorboard --logdir {output_dir.parent}")
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
+
+    Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
+    running a different number of evaluation batches."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    for images, labels in loader:
+        images = utils.normalize(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += labels.numel()
+    dist.all_reduce(totals)  # sum of the ranks' sums
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+if __name__ == "__main__":
+    parser = utils.get_args_parser(__doc__.splitlines()[0])
+    parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16",
+                        help="autocast type: bf16 on CPUs and Ampere+ GPUs; fp16 (with a GradScaler) on CUDA")
+    parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
+    parser.add_argument("--dist-timeout", type=int, default=300,
+                        help="seconds a collective waits for a missing rank before the job fails instead of hanging")
+    try:
+        args = parser.parse_args()
+        if args.accum_steps < 1:
+            raise utils.UsageError(f"--accum-steps must be 1 or more, got {args.accum_steps}")
+        main(args)
+    except utils.UsageError as error:
+        # Every rank checks the same input, so rank 0 alone reports it; a bad image is known only where it was read.
+        if int(os.environ.get("RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
