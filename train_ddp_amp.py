@@ -71,9 +71,9 @@ def main(args):
     val_set = Subset(val_set, range(rank, len(val_set), world_size))
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
-    if steps_per_epoch == 0:
-        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is larger than "
-                               f"each process's share of the training set ({len(train_loader)} batches); lower it")
+    if steps_per_epoch == 0 and not args.test_only:
+        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
+                               f"training images per process ({len(train_loader.sampler)}); lower either")
 
     # Model
     torch.manual_seed(args.seed)

@@ -31,9 +31,9 @@ def main(args):
                               persistent_workers=args.workers > 0)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
     steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise utils.UsageError(f"--batch-size {args.batch_size} is larger than the training set "
-                               f"({len(train_set)} images); lower it")
+    if steps_per_epoch == 0 and not args.test_only:
+        raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
+                               f"({len(train_loader.sampler)}); lower it")
 
     # Model
     torch.manual_seed(args.seed)
