@@ -11,7 +11,8 @@ usage: bash run.sh MODE [N] [script arguments...]
   launch [N]      train_ddp_launch.py under python -m torch.distributed.launch, N processes
   ddp [N]         train_ddp_torchrun.py under torchrun, N processes per node
   amp [N]         train_ddp_amp.py (mixed precision) under torchrun, N processes per node
-  bench [N]       throughput benchmark
+  bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
+  doctor          check this machine for multi-GPU training (tools/doctor.py)
   test            the test suite (pytest)
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine.
 Environment: TORCHRUN_ARGS (extra launcher options), NNODES + MASTER_ADDR + MASTER_PORT (multi-node), PYTHON.
@@ -20,7 +21,7 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|bench|test) shift ;;
+  single|dp|launch|ddp|amp|bench|doctor|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -45,6 +46,7 @@ fi
 case "$mode" in
   single) exec "$PYTHON" train_single.py "$@" ;;
   dp) exec "$PYTHON" train_dp.py "$@" ;;
+  doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
   test) exec "$PYTHON" -m pytest -q tests "$@" ;;
 esac
 
@@ -61,7 +63,7 @@ if [ "$gpus" -eq 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))  # the processes share the cores
 fi
 
-if [ "$mode" = bench ]; then exec "$PYTHON" bench.py --nproc "$nproc" "$@"; fi
+if [ "$mode" = bench ]; then exec "$PYTHON" tools/bench.py --nproc "$nproc" "$@"; fi
 
 # Single node: --standalone picks a free port. Multi-node: NNODES>1 and MASTER_ADDR:MASTER_PORT of node 0.
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
