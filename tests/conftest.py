@@ -3,7 +3,6 @@
 Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
 signatures stable.
 """
-import io
 import os
 import subprocess
 import sys
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -28,6 +26,8 @@ def make_dataset(root, counts, size=32, ext=".jpg"):
     Class i is the folder "c<i>" with counts[i] images of size x size pixels. Each class has its own colour
     and stripe pattern (so a small network can tell them apart); every image adds its own seeded noise.
     """
+    from PIL import Image
+    file_format = Image.registered_extensions()[ext.lower()]  # "JPEG", "PNG", ...
     root = Path(root)
     y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
                           indexing="ij")
@@ -45,17 +45,10 @@ def make_dataset(root, counts, size=32, ext=".jpg"):
             noise_gen = torch.Generator().manual_seed(label * 100_000 + i)
             image = (clean + 0.06 * torch.randn(3, size, size, generator=noise_gen)).clamp(0, 1)
             image = (image * 255).round().to(torch.uint8)
-            path = folder / f"{i:04d}{ext}"
-            if ext.lower() in (".jpg", ".jpeg"):
-                path.write_bytes(torchvision.io.encode_jpeg(image, quality=95).numpy().tobytes())
-            elif ext.lower() == ".png":
-                path.write_bytes(torchvision.io.encode_png(image).numpy().tobytes())
-            else:  # any other format PIL writes, chosen by the extension
-                from PIL import Image
-                buffer = io.BytesIO()
-                Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format=Image.registered_extensions()
-                                                                    [ext.lower()])
-                path.write_bytes(buffer.getvalue())
+            # PIL rather than torchvision.io.encode_*, which torchvision 0.29 deprecates
+            array = image.permute(1, 2, 0).contiguous().numpy()
+            options = {"quality": 95} if file_format == "JPEG" else {}
+            Image.fromarray(array).save(folder / f"{i:04d}{ext}", format=file_format, **options)
     return root
 
 

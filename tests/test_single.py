@@ -391,7 +391,7 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
 def test_run_sh_usage():
     bad = subprocess.run(["bash", "run.sh", "nonsense"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2
-    assert "usage: bash run.sh MODE" in bad.stderr and "single" in bad.stderr
+    assert "usage: bash run.sh MODE" in bad.stdout + bad.stderr and "single" in bad.stdout + bad.stderr
     good = subprocess.run(["bash", "run.sh", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert good.returncode == 0
     assert "usage: bash run.sh MODE" in good.stdout
