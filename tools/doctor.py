@@ -1,0 +1,592 @@
+"""Check this machine for multi-GPU training: bash run.sh doctor [--json PATH] [--nproc N] [--timeout S].
+
+One line per check, `ok`, `warn`, `fail` or `skip`, with the fix where there is one; a summary line at the end.
+Exit status 1 when a check fails (warnings alone give 0), 2 for bad arguments.
+
+The last check is a real all-reduce between N processes on the backend the training scripts use (nccl on GPUs,
+gloo on the CPU; N as in run.sh: the visible GPUs, or 2 on a CPU-only machine), reported like nccl-tests:
+algbw = bytes / time and busbw = algbw * 2(N-1)/N. The processes are started first, so that they import torch
+while the other checks run; they meet through a TCPStore this process holds on 127.0.0.1 (port chosen by the
+OS, so no race for a free port), and every wait is bounded (--timeout), so a broken network cannot hang it.
+
+Self-contained on purpose (standard library, torch, torchvision, tensorboard): it must work when the rest of the
+project does not.
+"""
+import argparse
+import errno
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GiB, MiB = 1 << 30, 1 << 20
+SHM_MIN = 1 * GiB  # Docker's default /dev/shm is 64 MiB; DataLoader workers pass every batch through it
+DEFAULT_PORT = 29500  # what torchrun / torch.distributed.launch use without --standalone or --master-port
+SLOW_NCCL_BUSBW = 5.0  # GB/s: below PCIe speed, NCCL is probably falling back to sockets
+WORKER_FLAG = "--allreduce-worker"
+
+
+class Report:
+    def __init__(self):
+        self.checks = []
+
+    def add(self, name, status, message, fix=None, **data):
+        check = {"name": name, "status": status, "message": message, "fix": fix, **data}
+        self.checks.append(check)
+        line = f"{status:<6}{message}" + (f"; {fix}" if fix else "")
+        print(line, flush=True)
+        return check
+
+    def count(self, status):
+        return sum(check["status"] == status for check in self.checks)
+
+
+def version_tuple(text):
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def required_range(package):
+    """(lowest, first excluded) versions of package in requirements.txt, each None where not given."""
+    try:
+        lines = (REPO / "requirements.txt").read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        line = line.split("#")[0].strip()
+        match = re.fullmatch(rf"{re.escape(package)}\s*((?:[<>=!]=?\s*[\w.]+\s*,?\s*)*)", line)
+        if match:
+            low = re.search(r">=\s*([\d.]+)", match.group(1))
+            high = re.search(r"<\s*([\d.]+)", match.group(1))
+            return (version_tuple(low.group(1)) if low else None), (version_tuple(high.group(1)) if high else None)
+    return None, None
+
+
+def version_status(package, version):
+    """("ok" or "warn", fix) for version against the range in requirements.txt."""
+    low, high = required_range(package)
+    have = version_tuple(version)
+    if (low and have < low) or (high and have >= high):
+        wanted = ",".join(filter(None, [low and ">=" + ".".join(map(str, low)),
+                                         high and "<" + ".".join(map(str, high))]))
+        return "warn", f"outside requirements.txt ({package}{wanted}): pip install -r requirements.txt"
+    return "ok", None
+
+
+def human_bytes(n):
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+# --------------------------------------------------------------------------------------------- the checks
+def check_versions(report, torch):
+    report.add("python", "ok", f"Python {platform.python_version()} ({sys.executable})",
+               version=platform.python_version())
+
+    build = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    if torch.backends.cudnn.is_available():
+        cudnn = torch.backends.cudnn.version()
+        build += f", cuDNN {cudnn // 10000}.{cudnn // 100 % 100}" if cudnn and cudnn >= 10000 else ""
+    status, fix = version_status("torch", torch.__version__)
+    if status == "ok" and not torch.version.cuda:
+        status, fix = "warn", "this torch cannot use GPUs: install a CUDA build (https://pytorch.org/get-started)"
+    report.add("torch", status, f"torch {torch.__version__} ({build})", fix,
+               version=torch.__version__, cuda_build=torch.version.cuda)
+
+    try:
+        import torchvision
+    except Exception as error:  # a torchvision built for another torch often fails right here
+        report.add("torchvision", "fail", f"torchvision does not import ({type(error).__name__}: {error})",
+                   "pip install -r requirements.txt (a torchvision release built for this torch)")
+    else:
+        version = torchvision.__version__
+        status, fix = version_status("torchvision", version)
+        tv, tt = version_tuple(version), version_tuple(torch.__version__)
+        if tv[:1] == (0,) and len(tv) > 1 and tt[:1] == (2,) and len(tt) > 1 and tv[1] - 15 != tt[1]:
+            # torchvision 0.15 was released with torch 2.0, 0.16 with 2.1, ... 0.29 with 2.14
+            status, fix = "warn", (f"torchvision 0.{tv[1]} is made for torch 2.{tv[1] - 15}, not {torch.__version__}: "
+                                   f"install the matching pair (pip install -r requirements.txt)")
+        try:  # the compiled operators: missing when torchvision and torch do not match
+            torchvision.ops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
+        except Exception as error:
+            status, fix = "fail", (f"its compiled operators do not load ({str(error).splitlines()[0][:80]}): "
+                                   f"reinstall torchvision for torch {torch.__version__}")
+        report.add("torchvision", status, f"torchvision {version}", fix, version=version)
+
+    try:
+        import tensorboard
+        version = tensorboard.__version__
+    except Exception as error:
+        report.add("tensorboard", "fail", f"tensorboard does not import ({type(error).__name__})",
+                   "the scripts log to TensorBoard: pip install -r requirements.txt")
+    else:
+        status, fix = version_status("tensorboard", version)
+        report.add("tensorboard", status, f"tensorboard {version}", fix, version=version)
+
+
+def cuda_state(torch):
+    """(available, number of visible GPUs, why not available)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+        count = torch.cuda.device_count() if available else 0
+    why = None
+    if not available:
+        if not torch.version.cuda:
+            why = "CPU-only torch build"
+        elif os.environ.get("CUDA_VISIBLE_DEVICES") is not None and not os.environ["CUDA_VISIBLE_DEVICES"].strip():
+            why = "CUDA_VISIBLE_DEVICES is empty"
+        elif caught:
+            why = str(caught[0].message).strip().splitlines()[0][:120]
+        else:
+            why = "no NVIDIA GPU or driver found"
+    return available, count, why
+
+
+def check_gpus(report, torch, available, count, why):
+    if not available:
+        report.add("cuda", "warn", f"CUDA not available ({why}): training runs on the CPU with gloo; "
+                   f"GPU checks skipped", available=False, reason=why)
+        report.add("gpus", "skip", "GPUs: none visible (skipped)", count=0, devices=[])
+        nccl = nccl_version(torch)
+        report.add("nccl", "skip", f"NCCL {nccl or '(not in this build)'}: not used without GPUs (skipped)",
+                   version=nccl)
+        return
+
+    report.add("cuda", "ok", f"CUDA available (driver for CUDA build {torch.version.cuda})", available=True)
+    devices = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)  # creates a context here: counts about 0.5 GiB as used
+        devices.append({"index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
+                        "total_bytes": total, "free_bytes": free})
+    names = sorted({d["name"] for d in devices})
+    if count == 1:
+        report.add("gpus", "warn", f"1 GPU visible ({names[0]})",
+                   "multi-GPU modes will run one process; use a machine with 2+ GPUs or check CUDA_VISIBLE_DEVICES",
+                   count=count, devices=devices)
+    elif len(names) > 1:
+        report.add("gpus", "warn", f"{count} GPUs visible, of {len(names)} kinds ({', '.join(names)})",
+                   "DDP runs at the pace of the slowest GPU: pick one kind with CUDA_VISIBLE_DEVICES",
+                   count=count, devices=devices)
+    else:
+        report.add("gpus", "ok", f"{count} GPUs visible ({names[0]})", count=count, devices=devices)
+
+    arch_list = torch.cuda.get_arch_list()
+    for d in devices:
+        message = (f"GPU {d['index']}: {d['name']}, {human_bytes(d['total_bytes'])} "
+                   f"({human_bytes(d['free_bytes'])} free), compute {d['capability']}")
+        status, fix = "ok", None
+        if d["total_bytes"] - d["free_bytes"] > max(2 * GiB, 0.1 * d["total_bytes"]):
+            status, fix = "warn", (f"{human_bytes(d['total_bytes'] - d['free_bytes'])} in use by other processes "
+                                   f"(nvidia-smi): wait, or pick another GPU with CUDA_VISIBLE_DEVICES")
+        if not kernels_for(d["capability"], arch_list):
+            status, fix = "warn", (f"this torch has kernels for {' '.join(arch_list)} only: "
+                                   f"install a torch build that supports compute {d['capability']}")
+        report.add(f"gpu{d['index']}", status, message, fix, **d)
+
+    nccl = nccl_version(torch)
+    if nccl is None:
+        report.add("nccl", "fail", "NCCL: not in this torch build", "install a CUDA build of torch with NCCL "
+                   "(the pip wheels from pytorch.org have it)", version=None)
+    else:
+        report.add("nccl", "ok", f"NCCL {nccl}", version=nccl)
+
+
+def nccl_version(torch):
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def kernels_for(capability, arch_list):
+    """Whether a torch built for arch_list (sm_80, compute_90, ...) can run on a GPU of this capability."""
+    major, minor = map(int, capability.split("."))
+    if not arch_list:
+        return True  # unknown: do not guess
+    for arch in arch_list:
+        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
+        if not match:
+            return True
+        kind, a_major, a_minor = match.group(1), int(match.group(2)), int(match.group(3))
+        if kind == "sm" and a_major == major and a_minor <= minor:  # cubins run on later minors of a major
+            return True
+        if kind == "compute" and (a_major, a_minor) <= (major, minor):  # PTX is compiled for newer GPUs
+            return True
+    return False
+
+
+def check_backends(report):
+    import torch.distributed as dist
+    if not dist.is_available():
+        report.add("gloo", "fail", "torch.distributed is not available in this torch build",
+                   "install the pytorch.org wheels (they include torch.distributed)", available=False)
+    elif dist.is_gloo_available():
+        report.add("gloo", "ok", "gloo available (the CPU backend)", available=True)
+    else:
+        report.add("gloo", "fail", "gloo not available", "the CPU runs need gloo: install the pytorch.org wheels",
+                   available=False)
+
+
+def check_environment(report, torch, available, count):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        report.add("cuda_visible_devices", "ok", "CUDA_VISIBLE_DEVICES not set: every GPU is visible", value=None)
+    elif not visible.strip() or visible.strip().startswith("-1"):
+        status = "warn" if torch.version.cuda else "ok"
+        report.add("cuda_visible_devices", status, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU",
+                   "unset it (or list the GPUs to use) to train on GPUs" if status == "warn" else None, value=visible)
+    else:
+        listed = [v.strip() for v in visible.split(",") if v.strip()]
+        status, fix = "ok", None
+        if available and len(listed) != count:
+            status, fix = "warn", (f"it lists {len(listed)} but {count} GPU(s) are visible: an entry is wrong "
+                                   f"(CUDA stops at the first invalid one); see nvidia-smi -L")
+        report.add("cuda_visible_devices", status, f"CUDA_VISIBLE_DEVICES={visible}", fix, value=visible)
+
+    names = sorted(k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))
+                   or k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"))
+    values = {k: os.environ[k] for k in names}
+    problems = []
+    for key, meaning in (("NCCL_P2P_DISABLE", "no direct GPU-to-GPU copies"),
+                         ("NCCL_SHM_DISABLE", "no shared-memory transport"),
+                         ("NCCL_IB_DISABLE", "no InfiniBand between nodes (harmless on one node)")):
+        if values.get(key, "0").strip() not in ("", "0"):
+            problems.append(f"{key}={values[key]} ({meaning}): all-reduce can be much slower; unset it unless it "
+                            f"works around a known hang")
+    for old in ("NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"):
+        if old in values:
+            problems.append(f"{old} is the old name: PyTorch reads TORCH_{old}")
+    shown = " ".join(f"{k}={v}" for k, v in values.items()) or "none set (NCCL defaults)"
+    report.add("nccl_env", "warn" if problems else "ok", f"NCCL/socket variables: {shown}",
+               "; ".join(problems) or None, variables=values)
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is None:
+        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS not set (run.sh and torchrun set it per "
+                   f"process)", cores=cores, omp_num_threads=None)
+    elif not threads.isdigit() or int(threads) > cores:
+        report.add("cpu", "warn", f"{cores} CPU cores; OMP_NUM_THREADS={threads}",
+                   f"more threads than cores slows every process: use at most cores/processes "
+                   f"({max(1, cores // 2)} for 2 processes)", cores=cores, omp_num_threads=threads)
+    else:
+        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS={threads}", cores=cores,
+                   omp_num_threads=threads)
+
+
+def check_shm(report):
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        report.add("shm", "skip", "/dev/shm: not present on this system (skipped)", total_bytes=None)
+        return
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    message = f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)"
+    status, fix = "ok", None
+    if total < SHM_MIN:
+        status, fix = "warn", ("DataLoader workers may crash (bus error / insufficient shared memory): "
+                               "docker run --ipc=host or --shm-size=8g (or train with --workers 0)")
+    elif free < SHM_MIN:
+        status, fix = "warn", ("nearly full: DataLoader workers may crash; remove stale files there "
+                               "(leftovers of killed runs)")
+    report.add("shm", status, message, fix, total_bytes=total, free_bytes=free)
+
+
+def bind_error(host, port):
+    """The OSError binding (host, port) raises, or None if the port is free there. Tries IPv4 and IPv6."""
+    families = [(socket.AF_INET, host or "0.0.0.0")]
+    if not host and socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, address in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no obstacle
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address, port))
+        except OSError as error:
+            if family == socket.AF_INET6 and error.errno == errno.EADDRNOTAVAIL:
+                continue
+            return error
+        finally:
+            sock.close()
+    return None
+
+
+def check_port(report):
+    addr, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if port_text is None:
+        busy = bind_error("", DEFAULT_PORT)
+        message = "MASTER_PORT not set: torchrun --standalone (bash run.sh ddp) picks a free port"
+        if busy:
+            report.add("port", "warn", message + f"; the default {DEFAULT_PORT} is in use",
+                       f"launches without --standalone need another port: MASTER_PORT=29501 or --master-port",
+                       port=None, default_port_free=False)
+        else:
+            report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None,
+                       default_port_free=True)
+        return
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        report.add("port", "fail", f"MASTER_PORT={port_text!r} is not a port number",
+                   "set MASTER_PORT to a free port between 1024 and 65535, e.g. 29500", port=port_text)
+        return
+    port = int(port_text)
+    local = True
+    if addr and addr not in ("localhost", "127.0.0.1", "::1"):
+        try:
+            address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as error:
+            report.add("port", "fail", f"MASTER_ADDR={addr} does not resolve ({error.strerror or error})",
+                       "set MASTER_ADDR to the IP address (or resolvable name) of node 0", port=port)
+            return
+        error = bind_error(address, 0)
+        local = not (error and error.errno == errno.EADDRNOTAVAIL)
+    if not local:
+        try:
+            socket.create_connection((addr, port), timeout=2).close()
+            note, status, fix = "something is listening there already (node 0's rendezvous?)", "ok", None
+        except ConnectionRefusedError:
+            note, status, fix = "nothing listens there yet (normal before node 0 starts)", "ok", None
+        except OSError:
+            note, status, fix = "no answer within 2 s", "warn", ("a firewall may block it: open the port on node 0, "
+                                                                 "or check MASTER_ADDR")
+        report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: {note}", fix,
+                   port=port, local=False)
+        return
+    error = bind_error("", port)
+    if error is None:
+        report.add("port", "ok", f"MASTER_PORT {port} is free", port=port, local=True)
+    elif error.errno == errno.EACCES:
+        report.add("port", "fail", f"MASTER_PORT {port} needs root to listen on",
+                   "choose a port of 1024 or more, e.g. MASTER_PORT=29500", port=port, local=True)
+    else:
+        report.add("port", "fail", f"MASTER_PORT {port} is already in use on this machine ({error.strerror})",
+                   f"choose another (e.g. MASTER_PORT={port + 1 if port < 65535 else 29500}) or stop what holds it "
+                   f"(ss -ltnp 'sport = :{port}'; often a stale torchrun)", port=port, local=True)
+
+
+# ------------------------------------------------------------------------------------------- the all-reduce
+def start_allreduce(torch, backend, nproc, size_mib, timeout, workdir):
+    """Hold a TCPStore on 127.0.0.1 and start nproc worker processes; return what finish_allreduce needs."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    procs = []
+    for rank in range(nproc):
+        out = open(os.path.join(workdir, f"rank{rank}.out"), "w+")
+        err = open(os.path.join(workdir, f"rank{rank}.err"), "w+")
+        cmd = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(rank), str(nproc), str(store.port),
+               backend, str(size_mib), str(timeout)]
+        procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL), out, err))
+    return {"store": store, "procs": procs, "backend": backend, "nproc": nproc, "size_mib": size_mib,
+            "deadline": time.monotonic() + timeout + 30, "timeout": timeout}  # + 30 s to import torch
+
+
+def finish_allreduce(report, job):
+    backend, nproc, procs = job["backend"], job["nproc"], job["procs"]
+    what = f"all-reduce {backend}, {nproc} process{'es' if nproc > 1 else ''}"
+    try:  # wait for all to succeed, one to fail (the others would wait for it until the timeout), or the deadline
+        while True:
+            codes = [p.poll() for p, _, _ in procs]
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None or all(code == 0 for code in codes) or time.monotonic() > job["deadline"]:
+                break
+            time.sleep(0.05)
+        timed_out = failed is None and not all(code == 0 for code in codes)
+    finally:
+        for p, _, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    outputs = []
+    for p, out, err in procs:
+        out.seek(0), err.seek(0)
+        outputs.append((out.read(), err.read()))
+        out.close(), err.close()
+    job["store"] = None
+
+    fix_net = ("if it is the network: GLOO_SOCKET_IFNAME=lo (gloo) or NCCL_SOCKET_IFNAME=lo, and check that "
+               "`hostname -i` gives a local address")
+    if backend == "nccl":
+        fix_net += "; NCCL_DEBUG=INFO shows what NCCL tried"
+    if timed_out:
+        report.add("allreduce", "fail", f"{what}: no result within {job['timeout'] + 30} s (killed)", fix_net,
+                   backend=backend, world_size=nproc)
+        return
+    if failed is not None:
+        err = outputs[failed][1].strip().splitlines()
+        last = next((line for line in reversed(err) if re.match(r"^[\w.]*(Error|Exception)\b", line)),
+                    err[-1] if err else f"exit status {procs[failed][0].returncode}")
+        last = re.sub(r"\[enforce fail at [^\]]*\]\s*", "", last)  # gloo's source location
+        report.add("allreduce", "fail", f"{what}: rank {failed} failed: {last[:200]}", fix_net,
+                   backend=backend, world_size=nproc, error=last)
+        return
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    status, fix = "ok", None
+    if backend == "nccl" and nproc > 1 and result["busbw_gbps"] < SLOW_NCCL_BUSBW:
+        status, fix = "warn", (f"slower than PCIe ({SLOW_NCCL_BUSBW:g} GB/s): check NCCL_P2P_DISABLE / "
+                               f"NCCL_SHM_DISABLE, nvidia-smi topo -m, and NCCL_DEBUG=INFO")
+    message = (f"{what}: latency {result['latency_us']:.0f} us ({result['small_bytes']} B), "
+               f"busbw {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s, "
+               f"{human_bytes(result['size_bytes'])})")
+    if nproc == 1:
+        message += ": one process, nothing crosses a link"
+    report.add("allreduce", status, message, fix, **result)
+
+
+def allreduce_worker(rank, world_size, port, backend, size_mib, timeout):
+    """One rank of the all-reduce check; rank 0 prints the results as one JSON line."""
+    import torch
+    import torch.distributed as dist
+    timeout = timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device)
+        sync = torch.cuda.synchronize
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        sync = lambda: None  # noqa: E731 (gloo's all_reduce on CPU tensors returns when it is done)
+
+    def timed(tensor, warmup, iterations):
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        sync()
+        dist.barrier()
+        times = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    # correctness first: every rank must end with 1 + 2 + ... + world_size
+    check = torch.full((1024,), float(rank + 1), device=device)
+    dist.all_reduce(check)
+    expected = world_size * (world_size + 1) / 2
+    if not torch.all(check == expected):
+        raise RuntimeError(f"all-reduce gave {check[0].item()}, expected {expected}")
+
+    small = torch.zeros(2, device=device)  # 8 bytes, as nccl-tests starts
+    gpu = backend == "nccl"
+    latency = timed(small, 10, 200 if gpu else 50)
+    big = torch.zeros(size_mib * MiB // 4, device=device)
+    seconds = timed(big, 3 if gpu else 1, 20 if gpu else 5)
+    # the slowest rank decides
+    worst = torch.tensor([latency, seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    latency, seconds = worst.tolist()
+    dist.destroy_process_group()
+    if rank == 0:
+        algbw = big.numel() * big.element_size() / seconds / 1e9
+        print(json.dumps({"backend": backend, "world_size": world_size, "small_bytes": small.numel() * 4,
+                          "latency_us": latency * 1e6, "size_bytes": big.numel() * 4, "seconds": seconds,
+                          "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world_size - 1) / world_size}),
+              flush=True)
+
+
+# ------------------------------------------------------------------------------------------------- main
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="bash run.sh doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--nproc", type=int, help="processes for the all-reduce (default: as run.sh: the "
+                        "visible GPUs, or 2 on a CPU-only machine)")
+    parser.add_argument("--size", type=int, default=64, metavar="MIB", help="all-reduce size for the bandwidth")
+    parser.add_argument("--timeout", type=int, default=30, metavar="S",
+                        help="process-group timeout of the all-reduce check (it is killed after S + 30 s)")
+    parser.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce check (a few seconds)")
+    args = parser.parse_args(argv)
+    if args.nproc is not None and args.nproc < 1 or args.size < 1 or args.timeout < 1:
+        parser.error("--nproc, --size and --timeout must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.monotonic()
+    report = Report()
+    try:
+        import torch
+    except Exception as error:
+        report.add("torch", "fail", f"torch does not import ({type(error).__name__}: {error})",
+                   "pip install -r requirements.txt (or let bash run.sh make .venv)")
+        return finish(report, args, started)
+
+    available, count, why = cuda_state(torch)
+    backend = "nccl" if available else "gloo"
+    nproc = args.nproc or (count if available else 2)
+    job = None
+    import torch.distributed as dist
+    usable = dist.is_available() and (dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available())
+    with tempfile.TemporaryDirectory(prefix="doctor-") as workdir:
+        if not args.no_allreduce and usable and not (backend == "nccl" and nproc > count):
+            job = start_allreduce(torch, backend, nproc, args.size, args.timeout, workdir)  # runs meanwhile
+        try:
+            for name, check, *check_args in (("versions", check_versions, torch),
+                                             ("gpus", check_gpus, torch, available, count, why),
+                                             ("backends", check_backends),
+                                             ("environment", check_environment, torch, available, count),
+                                             ("shm", check_shm), ("port", check_port)):
+                try:
+                    check(report, *check_args)
+                except Exception as error:  # a doctor that crashes tells nobody anything: report it and go on
+                    report.add(name, "fail", f"the {name} check itself failed ({type(error).__name__}: {error})",
+                               "please report this with the output of bash run.sh doctor")
+        finally:
+            if job:
+                finish_allreduce(report, job)
+    if not job:
+        if args.no_allreduce:
+            report.add("allreduce", "skip", "all-reduce: skipped (--no-allreduce)")
+        elif not usable:
+            report.add("allreduce", "fail", f"all-reduce: the {backend} backend is not available",
+                       "install the pytorch.org wheels", backend=backend)
+        else:
+            report.add("allreduce", "fail", f"all-reduce: --nproc {nproc} but {count} GPU(s) visible",
+                       "use one process per GPU", backend=backend)
+    return finish(report, args, started)
+
+
+def finish(report, args, started):
+    counts = {s: report.count(s) for s in ("ok", "warn", "fail", "skip")}
+    seconds = time.monotonic() - started
+    verdict = (f"{counts['fail']} check(s) failed: fix them before training" if counts["fail"]
+               else "ready" + (" (with warnings)" if counts["warn"] else ""))
+    print(f"doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped "
+          f"in {seconds:.1f} s: {verdict}", flush=True)
+    status = 1 if counts["fail"] else 0
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checks": report.checks, "summary": counts, "exit_status": status,
+                                               "seconds": seconds}, indent=1) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        rank, world, port, backend, size, timeout = sys.argv[2:8]
+        allreduce_worker(int(rank), int(world), int(port), backend, int(size), int(timeout))
+    else:
+        sys.exit(main())
