@@ -1,0 +1,119 @@
+"""bash run.sh doctor (tools/doctor.py), run for real: no mocks, real processes and a real all-reduce.
+
+One full run (about 10 s on a quiet 2-core machine) is shared by the tests of its report; the failing-port test
+adds a shorter run without the all-reduce.
+"""
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+CPU_ONLY = not torch.cuda.is_available()
+LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
+
+
+def run_doctor(*args, env=None, timeout=120):
+    """bash run.sh doctor *args from the repository root, with PYTHON=this interpreter; the CompletedProcess."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(["bash", "run.sh", "doctor", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**base, "PYTHON": sys.executable, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def doctor_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("doctor") / "doctor.json"
+    result = run_doctor("--json", str(path))
+    assert path.exists(), f"no JSON written\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result, result.stdout.splitlines(), json.loads(path.read_text())
+
+
+def line_of(lines, pattern):
+    found = [line for line in lines if re.search(pattern, line)]
+    assert len(found) == 1, f"expected one line matching {pattern!r}, got {found}\n" + "\n".join(lines)
+    return found[0]
+
+
+def test_exits_zero_with_one_aligned_line_per_check(doctor_run):
+    result, lines, data = doctor_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    *checks, summary = lines
+    assert all(LINE.match(line) and line[6] != " " for line in checks), "\n".join(lines)  # message in column 7
+    assert re.match(r"doctor: \d+ ok, \d+ warn, 0 fail, \d+ skipped in [\d.]+ s: ready", summary), summary
+    assert data["exit_status"] == 0 and data["summary"]["fail"] == 0
+    # the JSON holds the same checks as the screen, in the same order
+    assert len(data["checks"]) == len(checks)
+    for check, line in zip(data["checks"], checks):
+        assert line.startswith(f"{check['status']:<6}{check['message']}"), (check, line)
+        assert check["fix"] is None or line.endswith(f"; {check['fix']}")
+    assert data["summary"] == {s: sum(c["status"] == s for c in data["checks"]) for s in ("ok", "warn", "fail", "skip")}
+
+
+def test_reports_the_versions(doctor_run):
+    _, lines, data = doctor_run
+    from importlib.metadata import version  # importing torchvision here would cost seconds
+    assert line_of(lines, r"^ok +Python ").startswith(f"ok    Python {sys.version.split()[0]} ")
+    assert re.match(rf"^ok +torch {re.escape(torch.__version__)} \(", line_of(lines, r"^\w+ +torch \d"))
+    assert line_of(lines, r"^\w+ +torchvision ").startswith(f"ok    torchvision {version('torchvision')}")
+    assert line_of(lines, r"^\w+ +tensorboard ").startswith(f"ok    tensorboard {version('tensorboard')}")
+    by_name = {c["name"]: c for c in data["checks"]}
+    assert by_name["torch"]["version"] == torch.__version__
+    assert by_name["torchvision"]["version"] == version("torchvision")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="this machine has a GPU")
+def test_gpu_checks_are_skipped_on_a_cpu_machine(doctor_run):
+    _, lines, data = doctor_run
+    assert re.match(r"^warn +CUDA not available .*GPU checks skipped", line_of(lines, r"CUDA not available"))
+    assert line_of(lines, r"GPUs: ").startswith("skip  GPUs: none visible")
+    assert re.match(r"^skip +NCCL .*not used without GPUs", line_of(lines, r"^\w+ +NCCL \S"))
+    by_name = {c["name"]: c for c in data["checks"]}
+    assert by_name["cuda"]["status"] == "warn" and by_name["cuda"]["available"] is False
+    assert by_name["gpus"]["status"] == by_name["nccl"]["status"] == "skip"
+    assert by_name["gloo"]["status"] == "ok"
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="on GPUs the all-reduce runs on nccl")
+def test_gloo_allreduce_measures_latency_and_bandwidth(doctor_run):
+    _, lines, data = doctor_run
+    line = line_of(lines, r"all-reduce")
+    match = re.match(r"^ok +all-reduce gloo, 2 processes: latency ([\d.]+) us \(8 B\), busbw ([\d.]+) GB/s "
+                     r"\(algbw ([\d.]+) GB/s, 64 MiB\)$", line)
+    assert match, line
+    latency, busbw, algbw = map(float, match.groups())
+    assert latency > 0 and busbw > 0 and algbw > 0 and busbw == algbw  # 2(n-1)/n = 1 for 2 processes
+    check = next(c for c in data["checks"] if c["name"] == "allreduce")
+    assert (check["status"], check["backend"], check["world_size"]) == ("ok", "gloo", 2)
+    assert check["size_bytes"] == 64 << 20 and check["small_bytes"] == 8
+    for key in ("latency_us", "algbw_gbps", "busbw_gbps", "seconds"):
+        assert math.isfinite(check[key]) and check[key] > 0, (key, check[key])
+    assert check["busbw_gbps"] == pytest.approx(check["algbw_gbps"])
+    assert check["algbw_gbps"] == pytest.approx(check["size_bytes"] / check["seconds"] / 1e9)
+    assert f"{check['latency_us']:.0f}" == match.group(1) and f"{check['busbw_gbps']:.2f}" == match.group(2)
+
+
+def test_a_port_in_use_fails_the_run(tmp_path):
+    path = tmp_path / "doctor.json"
+    with socket.socket() as held:  # bound and listening for the whole run, closed afterwards
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_doctor("--no-allreduce", "--json", str(path), env={"MASTER_PORT": str(port)}, timeout=60)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = line_of(lines, r"MASTER_PORT")
+    assert line.startswith(f"fail  MASTER_PORT {port} is already in use"), line
+    assert f"MASTER_PORT={port + 1}" in line and f"sport = :{port}" in line  # the fix: another port, or what holds it
+    assert re.search(r", 1 fail, .*: 1 check\(s\) failed", lines[-1]), lines[-1]
+    data = json.loads(path.read_text())
+    assert data["exit_status"] == 1 and data["summary"]["fail"] == 1
+    port_check = next(c for c in data["checks"] if c["name"] == "port")
+    assert port_check["status"] == "fail" and port_check["port"] == port
+    assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
