@@ -161,7 +161,7 @@ def check_gpus(report, torch, available, count, why):
                    version=nccl)
         return
 
-    report.add("cuda", "ok", f"CUDA available (driver for CUDA build {torch.version.cuda})", available=True)
+    report.add("cuda", "ok", f"CUDA available (torch built for CUDA {torch.version.cuda})", available=True)
     devices = []
     for i in range(count):
         props = torch.cuda.get_device_properties(i)
@@ -280,7 +280,7 @@ def check_environment(report, torch, available, count):
         cores = os.cpu_count() or 1
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads is None:
-        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS not set (run.sh and torchrun set it per "
+        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS not set (run.sh / torchrun set it per "
                    f"process)", cores=cores, omp_num_threads=None)
     elif not threads.isdigit() or int(threads) > cores:
         report.add("cpu", "warn", f"{cores} CPU cores; OMP_NUM_THREADS={threads}",
@@ -517,7 +517,7 @@ def parse_args(argv):
     parser.add_argument("--size", type=int, default=64, metavar="MIB", help="all-reduce size for the bandwidth")
     parser.add_argument("--timeout", type=int, default=30, metavar="S",
                         help="process-group timeout of the all-reduce check (it is killed after S + 30 s)")
-    parser.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce check (a few seconds)")
+    parser.add_argument("--no-allreduce", action="store_true", help="skip the all-reduce check (saves several seconds)")
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 1 or args.size < 1 or args.timeout < 1:
         parser.error("--nproc, --size and --timeout must be positive")
