@@ -65,7 +65,8 @@ def test_reports_the_versions(doctor_run):
     assert line_of(lines, r"^\w+ +tensorboard ").startswith(f"ok    tensorboard {version('tensorboard')}")
     by_name = {c["name"]: c for c in data["checks"]}
     assert by_name["torch"]["version"] == torch.__version__
-    assert by_name["torchvision"]["version"] == version("torchvision")
+    # the wheel's metadata may leave out the local part (+cu130) that torchvision.__version__ has
+    assert by_name["torchvision"]["version"].split("+")[0] == version("torchvision").split("+")[0]
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="this machine has a GPU")
