@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
-DEMO_CLASSES = ("checkers", "dots", "hstripes", "rings", "vstripes")
+DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -294,12 +294,14 @@ def make_demo_images(folder, per_class=200, size=80):
         (folder / name).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             g = torch.Generator().manual_seed(label * 100_000 + i)
-            freq, phase, cx, cy = (2.5 + 4 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g),
-                                   torch.rand(1, generator=g), torch.rand(1, generator=g))
+            freq, phase, radius = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g), \
+                0.2 + 0.15 * torch.rand(1, generator=g)
+            centre = 0.3 + 0.4 * torch.rand(2, generator=g)
             wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
-            pattern = {"checkers": wave(x) * wave(y) > 0, "dots": wave(x) * wave(y) > 0.6,
+            distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
+            pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius,
                        "hstripes": wave(y) > 0, "vstripes": wave(x) > 0,
-                       "rings": wave(((x - cx) ** 2 + (y - cy) ** 2).sqrt()) > 0}[name].float()
+                       "rings": wave(distance) > 0}[name].float()
             background = torch.rand(3, 1, 1, generator=g)
             foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
             image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
