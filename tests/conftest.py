@@ -77,18 +77,29 @@ def assert_same_weights(a, b, atol=0.0):
         x, y = a[key], b[key]
         assert x.shape == y.shape, f"{key}: shape {tuple(x.shape)} != {tuple(y.shape)}"
         if x.is_floating_point():
-            if atol == 0.0:
-                same = torch.equal(x, y)
-                diff = 0.0 if same else (x.double() - y.double()).abs().max().item()
-                if not same and diff == 0.0:  # e.g. NaN or -0.0 versus 0.0: not bitwise equal all the same
-                    diff = float("inf")
-            else:
-                diff = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+            diff = _max_difference(x, y)
+            if atol == 0.0 and diff == 0.0 and not torch.equal(_bits(x), _bits(y)):
+                diff = float("inf")  # equal values, different bits: -0.0 and 0.0, or another dtype
             if diff > worst:
                 worst_key, worst = key, diff
         else:
             assert torch.equal(x, y), f"{key}: integer tensors differ ({x.flatten()[:4]} vs {y.flatten()[:4]})"
     assert worst <= atol, f"weights differ: max |difference| {worst:.3g} > {atol} at {worst_key}"
+
+
+def _max_difference(x, y):
+    """max |x - y|, where NaN matches only NaN (inf otherwise) and inf matches the same inf."""
+    if x.numel() == 0:
+        return 0.0
+    x, y = x.double(), y.double()
+    if not torch.equal(x.isnan(), y.isnan()):
+        return float("inf")
+    diff = torch.where((x == y) | x.isnan(), 0.0, (x - y).abs())
+    return diff.max().item()
+
+
+def _bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 @pytest.fixture(scope="session")
