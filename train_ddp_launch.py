@@ -100,7 +100,7 @@ def main(args):
     if rank == 0:
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=start_epoch * steps_per_epoch + start_step, enabled=rank == 0)
+                       purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order

@@ -7,6 +7,7 @@ last checkpoint, and multi-node rendezvous; plus --sync-bn and gradient accumula
 """
 import contextlib
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -129,8 +130,12 @@ def main(args):
 
     if rank == 0:
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
+    # Preemption: SLURM and cloud schedulers send SIGTERM (torchrun forwards it to every worker), then SIGKILL after
+    # a grace period. Note it, let every rank finish the same step, save, and exit; --resume auto continues.
+    preempted = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=start_epoch * steps_per_epoch + start_step, enabled=rank == 0)
+                       purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
@@ -156,6 +161,14 @@ def main(args):
             log.step(step, global_step, loss * args.accum_steps, scheduler.get_last_lr()[0])
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, step + 1)
+            stop = torch.tensor([len(preempted)], device=device)
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a rank signalled: all ranks stop after this step
+            if stop.item():
+                if rank == 0:
+                    save(epoch + (step + 1 == steps_per_epoch), (step + 1) % steps_per_epoch)
+                    print(f"stopped by SIGTERM after step {global_step}: checkpoint saved; continue with "
+                          f"--resume auto --output-dir {output_dir}", flush=True)
+                sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process
         start_step = 0
 
         val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)

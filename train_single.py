@@ -77,7 +77,7 @@ def main(args):
 
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=start_epoch * steps_per_epoch + start_step)
+                       purge_step=start_epoch * steps_per_epoch + start_step + 1)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)

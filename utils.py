@@ -404,8 +404,8 @@ class Logger:
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
-            # purge_step drops events a killed run logged after its last checkpoint
-            self.writer = SummaryWriter(str(output_dir), purge_step=purge_step or None)
+            # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
+            self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
 
     def start_epoch(self, epoch, start_step=0):
         self.epoch, self.epoch_steps = epoch, 0
