@@ -136,6 +136,7 @@ def main(args):
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
+    profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
@@ -159,6 +160,7 @@ def main(args):
             scheduler.step()
             global_step = epoch * steps_per_epoch + step + 1
             log.step(step, global_step, loss * args.accum_steps, scheduler.get_last_lr()[0])
+            profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, step + 1)
             stop = torch.tensor([len(preempted)], device=device)
@@ -178,6 +180,7 @@ def main(args):
         if rank == 0:
             save(epoch + 1, 0, is_best)
     log.close()
+    profiler.close()
 
     if val_acc is None:  # the checkpoint had finished training already
         val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
