@@ -3,6 +3,7 @@
 What differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -63,6 +64,8 @@ def get_args_parser(description):
                         help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N steps (after 3 warm-up steps) with torch.profiler; writes trace.json")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
                         "validation when --data-path has no train/ and val/ folders")
     return parser
@@ -74,8 +77,8 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.workers < 0 or args.save_every < 0:
-        raise UsageError("--workers and --save-every must be 0 or more")
+    if args.workers < 0 or args.save_every < 0 or args.profile < 0:
+        raise UsageError("--workers, --save-every and --profile must be 0 or more")
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     if args.test_only and not args.resume:
@@ -364,8 +367,11 @@ def atomic_write(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        raise UsageError(f"cannot write {path} ({str(error).splitlines()[0]}); free space or fix the folder's "
+                         f"permissions, then continue with --resume auto (the previous file is intact)") from None
     finally:
-        if temporary.exists():
+        with contextlib.suppress(OSError):
             temporary.unlink()
 
 
@@ -445,3 +451,55 @@ class Logger:
     def close(self):
         if self.writer:
             self.writer.close()
+
+
+# --------------------------------------------------------------------------------------------- profiling
+class Profiler:
+    """--profile N: torch.profiler over N steps after 3 warm-up steps. Writes trace.json (chrome://tracing or
+    https://ui.perfetto.dev) into the output folder and prints the top operators and where the step time went."""
+
+    def __init__(self, output_dir, steps, enabled=True):
+        self.output_dir, self.profile = output_dir, None
+        if steps and enabled:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profile = torch.profiler.profile(
+                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1),
+                on_trace_ready=self.report, profile_memory=True)
+            self.profile.start()
+
+    def step(self):
+        if self.profile:
+            self.profile.step()
+
+    def close(self):
+        if self.profile:
+            self.profile.stop()
+            self.profile = None
+
+    def report(self, profile):
+        profile.export_chrome_trace(str(self.output_dir / "trace.json"))
+        totals, busy, end = {"step": 0.0, "data": 0.0, "communication": 0.0}, [], 0.0
+        for event in profile.events():
+            name = event.name.lower()
+            if name.startswith("profilerstep"):
+                totals["step"] += event.cpu_time_total
+            elif name.startswith("enumerate(dataloader)"):
+                totals["data"] += event.cpu_time_total
+            elif "all_reduce" in name or "allreduce" in name:  # gloo threads, NCCL ops and kernels
+                busy.append((event.time_range.start, event.time_range.end))
+        for start, stop in sorted(busy):  # wall time with an all-reduce in flight, in any thread or stream
+            totals["communication"] += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(profile.key_averages().table(sort_by=sort, row_limit=8))
+        step = max(totals["step"], 1e-9)
+        if torch.cuda.is_available():
+            peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
+        else:
+            import resource
+            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
+        print(f"profile: waiting for data {100 * totals['data'] / step:.1f}% of the step time, communication "
+              f"{100 * totals['communication'] / step:.1f}% (may overlap compute; keep it under ~15%), peak memory "
+              f"{peak}; trace in {self.output_dir / 'trace.json'}", flush=True)
