@@ -214,9 +214,12 @@ class ImageFiles(Dataset):
         if self.train:
             generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
             top, left, height, width, flip = random_crop_box(image.shape[-2], image.shape[-1], generator)
-            image = TF.resized_crop(image, top, left, height, width, [self.img_size] * 2, antialias=True)
+            # TF.resized_crop(..., antialias=True) and TF.horizontal_flip, called directly: the same pixels (uint8
+            # bilinear with antialiasing), without the dispatch cost of transforms.v2 (~60 of ~230 us per image)
+            image = torch.nn.functional.interpolate(image[None, :, top:top + height, left:left + width],
+                                                    size=[self.img_size] * 2, mode="bilinear", antialias=True)[0]
             if flip:
-                image = TF.horizontal_flip(image)
+                image = image.flip(-1)
         else:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
             image = TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size)
         return image, label
@@ -253,7 +256,7 @@ def normalize(images):
     """uint8 batch -> float batch normalised with the ImageNet statistics; run it on the training device."""
     mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
     std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
-    return (images.float() / 255 - mean) / std
+    return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
 
 class EpochSampler(torch.utils.data.Sampler):
