@@ -15,7 +15,8 @@ usage: bash run.sh MODE [N] [script arguments...]
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   test            the test suite (pytest)
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine.
-Environment: TORCHRUN_ARGS (extra launcher options), NNODES + MASTER_ADDR + MASTER_PORT (multi-node), PYTHON.
+Environment: TORCHRUN_ARGS (extra launcher options); multi-node: NNODES, MASTER_ADDR, MASTER_PORT (29500),
+NODE_RANK (0 on the first node: checks the port), RDZV_TIMEOUT (300 s), RDZV_ID; PYTHON.
 TXT
 }
 
@@ -68,17 +69,36 @@ if [ "$mode" = bench ]; then exec "$PYTHON" tools/bench.py --nproc "$nproc" "$@"
 # Single node: --standalone picks a free port. Multi-node: NNODES>1 and MASTER_ADDR:MASTER_PORT of node 0.
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
 if [ "${NNODES:-1}" -gt 1 ]; then
-  : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}" "${MASTER_PORT:=29500}"
+  : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}" "${MASTER_PORT:=29500}" "${RDZV_TIMEOUT:=300}"
+  if [ "${NODE_RANK:-}" = 0 ] && ! "$PYTHON" -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
+       "$MASTER_PORT" 2>/dev/null; then
+    echo "run.sh: MASTER_PORT $MASTER_PORT is already in use on this machine (the first node): choose another" \
+         "port for every node, or stop what holds it (ss -ltnp 'sport = :$MASTER_PORT')" >&2
+    exit 2
+  fi
   where=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-train}}")
+         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-train}}" --rdzv-conf=join_timeout="$RDZV_TIMEOUT")
 else
   where=(--standalone)
 fi
 case "$mode" in
-  launch) exec "$PYTHON" -m torch.distributed.launch "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
-            train_ddp_launch.py "$@" ;;
-  ddp) exec "$PYTHON" -m torch.distributed.run "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
-         train_ddp_torchrun.py "$@" ;;
-  amp) exec "$PYTHON" -m torch.distributed.run "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" \
-         train_ddp_amp.py "$@" ;;
+  launch) cmd=("$PYTHON" -m torch.distributed.launch) script=train_ddp_launch.py ;;
+  ddp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_torchrun.py ;;
+  amp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_amp.py ;;
 esac
+
+# Run the launcher as a child (SIGTERM and Ctrl-C are passed on to it), so that a rendezvous that times out
+# ends with one line saying what is missing.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+"${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@" 2> >(tee "$log" >&2) &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+status=0
+wait "$pid" || status=$?
+while kill -0 "$pid" 2>/dev/null; do wait "$pid" || status=$?; done  # a trapped signal interrupts wait
+if grep -q RendezvousTimeoutError "$log"; then
+  echo "run.sh: not all $NNODES nodes joined $MASTER_ADDR:$MASTER_PORT within ${RDZV_TIMEOUT}s (RDZV_TIMEOUT):" \
+       "start the same command on every node, and check that they reach that address" >&2
+fi
+exit "$status"

@@ -1,0 +1,82 @@
+"""What goes wrong on real clusters, as bounded scenarios with real processes: a full disk mid-run, a node that
+never arrives, a taken port, and --profile."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, run_script
+
+
+def env_1_thread(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
+
+
+def test_profile_writes_a_loadable_trace_and_a_summary(tiny_data, tmp_path):
+    proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
+                      "--profile", "2", "--output-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    assert any(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"])
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("profile: waiting for data")]
+    assert len(summary) == 1 and "communication" in summary[0] and "peak memory" in summary[0], proc.stdout[-2000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 70 MiB tmpfs: room for one resnet18 checkpoint (~45 MiB), not for its replacement beside it."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data, small_disk):
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", str(tiny_data),
+                           "--val-fraction", "0.25", "--save-every", "1", "--output-dir", str(small_disk / "run")],
+                          cwd=REPO, env=env_1_thread(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write" in errors[0] and "last.pt" in errors[0], proc.stderr[-3000:]
+    assert time.time() - started < 60
+    checkpoint = torch.load(small_disk / "run" / "last.pt", weights_only=True)  # the first one, intact
+    assert (checkpoint["epoch"], checkpoint["step"]) == (0, 1)
+    assert sorted(p.name for p in (small_disk / "run").glob(".*tmp")) == []
+
+
+def test_a_node_that_never_arrives_ends_with_one_line(tmp_path):
+    started = time.time()
+    proc = subprocess.run(["bash", "run.sh", "ddp", "1", "--epochs", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=90, env=env_1_thread(NNODES="2", MASTER_ADDR="127.0.0.1",
+                                                      MASTER_PORT=str(free_port()), RDZV_TIMEOUT="5"))
+    assert proc.returncode != 0
+    assert "run.sh: not all 2 nodes joined" in proc.stderr and "RDZV_TIMEOUT" in proc.stderr
+    assert time.time() - started < 60
+
+
+def test_a_taken_master_port_is_refused_with_its_number():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(["bash", "run.sh", "ddp", "1"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                              env=env_1_thread(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                                               MASTER_PORT=str(port)))
+    assert proc.returncode == 2
+    assert f"MASTER_PORT {port} is already in use" in proc.stderr
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
