@@ -1,0 +1,36 @@
+"""bash run.sh bench --quick: runs end to end and writes a complete bench.json. Structure only: no speed is asserted."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+FIGURES = ["compute_limit_img_s", "single_img_s", "single_ratio", "dp_img_s", "ddp_img_s", "ddp_ratio", "amp_img_s",
+           "accum_speedup", "accum_allreduces", "first_step_s", "import_s", "loader_img_s", "classic_loader_img_s",
+           "loader_speedup"]
+
+
+def test_quick_bench_writes_every_figure(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OMP_NUM_THREADS", None)  # bench.py sets the threads of every measurement itself
+    proc = subprocess.run(["bash", "run.sh", "bench", "--quick", "--output-dir", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    for key in FIGURES:
+        value = result.get(key)
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}: {value!r}"
+        assert math.isfinite(value) and value > 0, f"{key}: {value!r}"
+    machine = result["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["gpu"] and machine["torch"]
+    assert result["config"]["quick"] and result["config"]["repeats"] == 1
+    # the all-reduce count of both accumulation runs, and what DDP's buckets predict for them
+    for key in ("accum_allreduces", "accum1_allreduces", "accum_optimizer_steps", "accum1_optimizer_steps",
+                "ddp_buckets", "accum_allreduces_expected"):
+        assert isinstance(result[key], int) and result[key] > 0, f"{key}: {result[key]!r}"
+    # the markdown table on stdout
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(table) >= 10 and "train_single.py" in proc.stdout and "compute limit" in proc.stdout

@@ -1,0 +1,561 @@
+"""Throughput benchmark of the training scripts, measured in one run on the machine it is started on.
+
+    bash run.sh bench [N] [--quick] [--output-dir DIR]        # N: processes for ddp/amp (default: GPUs, or 2)
+
+Every measurement runs in its own fresh process with its thread count set by this script (OMP_NUM_THREADS), with
+the same model (resnet18), crop size (64) and batch per process (32), on the built-in demo data:
+  compute limit   forward + backward + SGD step on in-memory tensors, no data loading, all the threads (or the GPU)
+  single, dp      train_single.py and train_dp.py with all the threads
+  ddp N, amp N    train_ddp_torchrun.py and train_ddp_amp.py under torchrun, the threads split between processes
+  accumulation    ddp N with --accum-steps 4 (no_sync) against ddp N with --accum-steps 1 (all-reduce every micro-step)
+  data pipeline   images/s of the project's loader (utils.ImageFiles + default collate) and of the textbook
+                  ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, one process, one thread
+  start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step)
+The scripts run as they are; throughput is parsed from their progress lines ("... R img/s ..."), the first steps
+dropped as warm-up: steady-state images / training time, start-up, evaluation and checkpoints excluded. All runs are
+repeated (--repeats, default 3) and interleaved; every figure is a median and every ratio is taken between medians
+measured in this same run. Results: a markdown table on stdout and <output-dir>/bench.json.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL, IMG_SIZE, BATCH = "resnet18", 64, 32
+PROGRESS = re.compile(r"epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s+loss \S+\s+lr \S+\s+([\d.]+) img/s")
+RESULT_TAG = "BENCH-RESULT "
+IMPORTED_TAG = "BENCH-IMPORTED"
+TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0, "startup_s": 1.0}
+
+
+# ------------------------------------------------------------------------------------------ child: probe
+def probe_child(opts):
+    """One fresh process: import time, machine facts, compute limit, then both data pipelines on one thread."""
+    import torch
+    import torchvision
+    print(IMPORTED_TAG, flush=True)  # the parent times process start -> this line: the import time
+    sys.path.insert(0, str(REPO))
+    import utils
+
+    cuda = torch.cuda.is_available()
+    root = utils.demo_data()
+    classes, train, _ = utils.find_images(root, 0.2)
+    result = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": cuda,
+              "gpus": torch.cuda.device_count() if cuda else 0,
+              "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+              "train_images": len(train), "classes": len(classes)}
+    result["compute_limit_img_s"] = compute_limit(torch, utils, len(classes), cuda, opts.limit_warmup, opts.limit_steps)
+    result["ddp_buckets"] = ddp_buckets(torch, utils, len(classes))
+    torch.set_num_threads(1)  # the data pipelines: one loader process, one thread
+    result.update(loaders(torch, torchvision, utils, root, train, opts.loader_batches))
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def compute_limit(torch, utils, num_classes, cuda, warmup, steps):
+    """img/s of the training step alone (forward, backward, SGD step) on tensors already on the device."""
+    import torch.nn.functional as F
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    model = utils.build_model(MODEL, num_classes).to(device)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * BATCH / 256, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(BATCH, 3, IMG_SIZE, IMG_SIZE, device=device)
+    labels = torch.randint(0, num_classes, (BATCH,), device=device)
+
+    def step():
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return steps * BATCH / (time.perf_counter() - start)
+
+
+def ddp_buckets(torch, utils, num_classes):
+    """Gradient buckets DDP all-reduces per step once it has rebuilt them (from the second step on), counted with a
+    communication hook on a one-process group: the model, not the device or world size, decides them."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(utils.build_model(MODEL, num_classes))
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            return default_hooks.allreduce_hook(None, bucket)
+        model.register_comm_hook(None, hook)
+        images, labels = torch.randn(2, 3, IMG_SIZE, IMG_SIZE), torch.zeros(2, dtype=torch.long)
+        counts = []
+        for _ in range(3):
+            calls.clear()
+            F.cross_entropy(model(images), labels).backward()
+            counts.append(len(calls))
+        return {"first_step": counts[0], "later_steps": counts[-1]}
+    finally:
+        dist.destroy_process_group()
+
+
+def loaders(torch, torchvision, utils, root, train, batches):
+    """Images/s of the project's training data path and of the textbook one, alternated, on the same files."""
+    from torch.utils.data import DataLoader, Subset
+    import torchvision.transforms as T
+    project = utils.ImageFiles(train, IMG_SIZE, train=True, seed=0)
+    shuffle = torch.Generator().manual_seed(0)
+    project_loader = DataLoader(project, BATCH, sampler=utils.EpochSampler(
+        torch.utils.data.RandomSampler(project, generator=shuffle)), num_workers=0, drop_last=True)
+    textbook = torchvision.datasets.ImageFolder(str(root), T.Compose([
+        T.RandomResizedCrop(IMG_SIZE), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
+    wanted = {(Path(path).parent.name, Path(path).name) for path, _ in train}
+    textbook = Subset(textbook, [i for i, (path, _) in enumerate(textbook.samples)
+                                 if (Path(path).parent.name, Path(path).name) in wanted])
+    textbook_loader = DataLoader(textbook, BATCH, shuffle=True, num_workers=0, drop_last=True)
+
+    def rate(loader):
+        images, start = 0, None
+        while True:
+            for i, (batch, _) in enumerate(loader):
+                if start is None and i == 1:  # the first batch warms up (file cache, first calls)
+                    start, images = time.perf_counter(), 0
+                images += len(batch)
+                if start is not None and images >= batches * BATCH:
+                    return images / (time.perf_counter() - start)
+
+    rates = {"loader": [], "classic_loader": []}
+    for _ in range(2):  # alternate, so that a burst of load elsewhere hits both
+        rates["loader"].append(rate(project_loader))
+        rates["classic_loader"].append(rate(textbook_loader))
+    return {f"{name}_img_s": statistics.mean(values) for name, values in rates.items()}
+
+
+# ------------------------------------------------------------------------------------------ parent: runs
+class CpuMeter:
+    """CPU seconds used on the whole machine and by our finished child processes: what the others took meanwhile."""
+
+    def __init__(self):
+        self.start = time.perf_counter(), self.machine(), self.ours()
+
+    @staticmethod
+    def machine():
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    @staticmethod
+    def ours():
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def other_cores(self):
+        """Average number of cores busy with processes not ours since the start (None where unknown)."""
+        wall0, machine0, ours0 = self.start
+        machine = self.machine()
+        if machine is None or machine0 is None:
+            return None
+        return max(0.0, (machine - machine0 - (self.ours() - ours0)) / max(time.perf_counter() - wall0, 1e-9))
+
+
+def run_process(cmd, env, timeout, stop=None):
+    """Run cmd in its own session; return (returncode, [(seconds since start, line)], stderr, other_cores, wall).
+
+    stop(lines) -> True ends the run early (SIGKILL to the whole process group, launcher and workers alike).
+    """
+    meter = CpuMeter()
+    start = time.perf_counter()
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                            start_new_session=True)
+    timed_out = threading.Event()
+    timer = threading.Timer(timeout, lambda: (timed_out.set(), kill_group(proc)))
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - start, line.rstrip("\n")))
+            if stop and stop(lines):
+                kill_group(proc, signal.SIGKILL)  # at once: the scripts answer SIGTERM by finishing and saving
+                break
+    finally:
+        proc.stdout.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+        timer.cancel()
+    wall = time.perf_counter() - start
+    err.seek(0)
+    stderr = err.read()
+    err.close()
+    if timed_out.is_set():
+        raise RuntimeError(f"timed out after {timeout}s: {' '.join(cmd)}\n{stderr[-2000:]}")
+    return proc.returncode, lines, stderr, meter.other_cores(), wall
+
+
+def kill_group(proc, sig=signal.SIGTERM):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def child_env(threads):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.pop("TORCHELASTIC_MAX_RESTARTS", None)
+    return env
+
+
+def run_probe(opts, threads):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-probe", "--limit-warmup", str(opts.limit_warmup),
+           "--limit-steps", str(opts.limit_steps), "--loader-batches", str(opts.loader_batches)]
+    code, lines, stderr, others, wall = run_process(cmd, child_env(threads), opts.timeout)
+    found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
+    if code != 0 or not found:
+        raise RuntimeError(f"the probe process failed (exit {code}):\n{stderr[-3000:]}")
+    result = json.loads(found[0])
+    result["import_s"] = next(t for t, line in lines if line == IMPORTED_TAG)
+    result["other_cores"], result["wall_s"] = others, wall
+    return result
+
+
+def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, complete, output_dir, timeout):
+    """Run a training script; its steady-state img/s from the progress lines after warm_steps optimizer steps.
+
+    A line's img/s covers the optimizer steps since the previous line (of the same epoch): its images over that
+    rate is its training time. complete: let the script finish (for results.json), else stop after enough steps.
+    """
+    def parse(lines):
+        steps, prev = [], {}
+        for t, line in lines:
+            m = PROGRESS.search(line)
+            if m:
+                epoch, step, per_epoch, rate = int(m[1]), int(m[3]), int(m[4]), float(m[5])
+                done_before = (epoch - 1) * per_epoch + prev.get(epoch, 0)
+                steps.append({"t": t, "first": done_before, "steps": step - prev.get(epoch, 0), "rate": rate})
+                prev[epoch] = step
+        return steps
+
+    def enough(lines):
+        steps = parse(lines)
+        return bool(steps) and steps[-1]["first"] + steps[-1]["steps"] >= warm_steps + measure_steps
+
+    code, lines, stderr, others, wall = run_process(cmd, env, timeout, stop=None if complete else enough)
+    steps = parse(lines)
+    if (complete and code != 0) or not steps:
+        tail = "\n".join(line for _, line in lines[-5:])
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{tail}\n{stderr[-3000:]}")
+    measured = [s for s in steps if s["first"] >= warm_steps] or steps[-1:]
+    images = sum(s["steps"] * global_batch for s in measured)
+    seconds = sum(s["steps"] * global_batch / s["rate"] for s in measured)
+    run = {"img_s": images / seconds, "first_line_s": steps[0]["t"], "measured_steps": sum(s["steps"] for s in measured),
+           "other_cores": others, "wall_s": wall}
+    if print_freq == 1:
+        run["first_step_s"] = steps[0]["t"]
+    results = Path(output_dir) / "results.json"
+    if complete and results.exists():
+        data = json.loads(results.read_text())
+        run["allreduces"] = data.get("allreduces")
+        run["optimizer_steps"] = steps[-1]["first"] + steps[-1]["steps"]
+    return run
+
+
+# ------------------------------------------------------------------------------------------ parent: plan
+def plan(opts, info, threads, nproc, tmp):
+    """The training runs of one repetition: name -> function(rep) returning a run record."""
+    cuda, py = info["cuda"], sys.executable
+    per_proc = max(1, threads // nproc)
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    train = info["train_images"]
+    pf = opts.print_freq
+
+    def spec(name, launcher, script, procs, thread_count, accum=1, complete=False, first_only=False):
+        per_rank = train // procs if procs > 1 else train
+        steps_per_epoch = (per_rank // BATCH) // accum
+        if steps_per_epoch < 1:
+            return None
+        global_batch = BATCH * procs * accum if script.startswith("train_ddp") else BATCH
+        if first_only:
+            warm, measure = 0, 1
+        elif accum > 1:
+            warm, measure = 1, opts.accum_steps_measured
+        else:
+            warm = opts.warmup_steps
+            measure = max(1, math.ceil(opts.images / global_batch))
+        epochs = max(1, math.ceil((warm + measure) / steps_per_epoch))
+        if complete:  # a run that must finish (for its results.json): whole epochs, about the steps asked for
+            epochs = max(1, round((warm + measure) / steps_per_epoch))
+            measure = max(1, epochs * steps_per_epoch - warm)
+        args = ["--epochs", str(epochs), "--print-freq", "1" if first_only else str(pf)]
+        if accum > 1:
+            args += ["--accum-steps", str(accum)]
+
+        def go(rep):
+            out = tmp / f"{name}-{rep}"
+            cmd = launcher + [script, "--output-dir", str(out)] + args
+            run = run_training(cmd, child_env(thread_count), global_batch, warm, measure, 1 if first_only else pf,
+                               complete, out, opts.timeout)
+            run["cmd"] = " ".join([Path(c).name if c == py else c for c in cmd]).replace(str(out), "<tmp>")
+            shutil.rmtree(out, ignore_errors=True)
+            return run
+        return go
+
+    runs = {
+        "single": spec("single", [py], "train_single.py", 1, threads),
+        "dp": spec("dp", [py], "train_dp.py", 1, threads),
+        "ddp": spec("ddp", torchrun, "train_ddp_torchrun.py", nproc, per_proc, complete=True),
+        "amp": spec("amp", torchrun, "train_ddp_amp.py", nproc, per_proc),
+        "accum": spec("accum", torchrun, "train_ddp_torchrun.py", nproc, per_proc, accum=4, complete=True),
+    }
+    if pf != 1:  # time to first step needs a progress line after the first step
+        runs["startup"] = spec("startup", [py], "train_single.py", 1, threads, first_only=True)
+    return {name: go for name, go in runs.items() if go is not None}
+
+
+# ------------------------------------------------------------------------------------------ parent: main
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, help="processes for ddp and amp (default: the GPUs, or 2 on a CPU)")
+    parser.add_argument("--threads", type=int, help="compute threads of a one-process run; a run of N processes "
+                        "gets threads/N each (default: the cores this process may use)")
+    parser.add_argument("--quick", action="store_true", help="one repetition and fewer steps (a smoke test)")
+    parser.add_argument("--repeats", type=int, help="repetitions of every measurement (default 3, 1 with --quick)")
+    parser.add_argument("--output-dir", default="runs/bench", help="where bench.json goes")
+    parser.add_argument("--print-freq", type=int, help="--print-freq of the training runs (default: 1 on a CPU, "
+                        "where a progress line costs nothing, 10 on a GPU, where loss.item() syncs; then separate "
+                        "runs give the time to first step)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds any one run may take")
+    # the probe child (internal)
+    parser.add_argument("--child-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--limit-warmup", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--loader-batches", type=int, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.child_probe:
+        return probe_child(opts)
+
+    started = time.perf_counter()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = opts.threads or cores
+    repeats = opts.repeats or (1 if opts.quick else 3)
+    if min(threads, repeats, opts.nproc or 1) < 1:
+        parser.error("--threads, --repeats and --nproc must be positive")
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    meter = CpuMeter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+    try:
+        results = measure(opts, cores, threads, repeats, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results["machine"].update(load_before=load_before, other_cores_during=meter.other_cores(),
+                              load_after=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+    results["wall_s"] = time.perf_counter() - started
+    output_dir = Path(opts.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    print(f"\nbench.json in {output_dir}; {results['wall_s']:.0f}s in all")
+
+
+def measure(opts, cores, threads, repeats, tmp):
+    # The defaults on a CPU: about 640 measured images per training run after 3 warm-up steps.
+    quick = opts.quick
+    opts.limit_warmup, opts.limit_steps = (2, 5) if quick else (3, 20)
+    opts.loader_batches = 6 if quick else 20
+    opts.warmup_steps, opts.images = (2, 96) if quick else (3, 640)
+    opts.accum_steps_measured = 2 if quick else 5
+
+    probes, runs = [], {}
+    probes.append(run_probe(opts, threads))  # first: it also tells whether there is a GPU
+    info = probes[0]
+    cuda = info["cuda"]
+    nproc = opts.nproc or (info["gpus"] if cuda else 2)
+    if cuda:  # a GPU step takes milliseconds: many more steps, and a progress line only every 10
+        opts.limit_warmup, opts.limit_steps = (5, 20) if quick else (20, 200)
+        opts.warmup_steps, opts.images = (5, 320) if quick else (20, 6400)
+        opts.accum_steps_measured = 2 if quick else 10
+        if not opts.print_freq:
+            opts.print_freq = 10
+    opts.print_freq = opts.print_freq or 1
+    runners = plan(opts, info, threads, nproc, tmp)
+    names = list(runners)
+    for rep in range(repeats):
+        if rep:
+            probes.append(run_probe(opts, threads))
+        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no run always follows the same one
+        for name in order:
+            print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
+            runs.setdefault(name, []).append(runners[name](rep))
+    return summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda)
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median_low(values) if all(isinstance(v, int) for v in values) else statistics.median(values)
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda):
+    m = {name: median(r["img_s"] for r in rs) for name, rs in runs.items()}
+    limit = median(p["compute_limit_img_s"] for p in probes)
+    import_s = median(p["import_s"] for p in probes)
+    first_runs = runs.get("startup") or runs["single"]
+    first_step = median(r.get("first_step_s") for r in first_runs)
+    accum, ddp = runs.get("accum", []), runs["ddp"]
+    per_proc = max(1, threads // nproc)
+    r = {
+        "compute_limit_img_s": limit,
+        "single_img_s": m["single"], "single_ratio": ratio(m["single"], limit),
+        "dp_img_s": m["dp"], "dp_ratio": ratio(m["dp"], limit),
+        "ddp_img_s": m["ddp"], "ddp_ratio": ratio(m["ddp"], m["single"]),
+        # the share of ideal scaling: on a CPU the N processes share the single run's cores (ideal: = single);
+        # on GPUs each process has its own (ideal: N x single)
+        "ddp_scaling_efficiency": ratio(m["ddp"], m["single"] * (nproc if cuda else 1)),
+        "amp_img_s": m["amp"], "amp_ratio": ratio(m["amp"], m["ddp"]),
+        "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"], "accum_speedup": ratio(m.get("accum"), m["ddp"]),
+        "accum_allreduces": median(x.get("allreduces") for x in accum),
+        "accum_optimizer_steps": median(x.get("optimizer_steps") for x in accum),
+        "accum1_allreduces": median(x.get("allreduces") for x in ddp),
+        "accum1_optimizer_steps": median(x.get("optimizer_steps") for x in ddp),
+        "import_s": import_s, "first_step_s": first_step,
+        "startup_s": first_step - import_s if first_step is not None else None,
+        "loader_img_s": median(p["loader_img_s"] for p in probes),
+        "classic_loader_img_s": median(p["classic_loader_img_s"] for p in probes),
+    }
+    r["loader_speedup"] = ratio(r["loader_img_s"], r["classic_loader_img_s"])
+    # DDP all-reduces one bucket per gradient bucket and optimizer step; on the very first step it has not yet
+    # rebuilt its buckets in gradient order and all-reduces everything as one.
+    buckets = info["ddp_buckets"]
+    r["ddp_buckets"], r["ddp_buckets_first_step"] = buckets["later_steps"], buckets["first_step"]
+
+    def expected(steps):
+        return None if steps is None else buckets["first_step"] + buckets["later_steps"] * (steps - 1)
+    r["accum_allreduces_expected"] = expected(r["accum_optimizer_steps"])
+    r["accum1_allreduces_expected"] = expected(r["accum1_optimizer_steps"])
+    r["targets"] = {key: {"target": target, "value": r[key],
+                          "met": None if r[key] is None else (r[key] <= target if key == "startup_s" else r[key] >= target)}
+                    for key, target in TARGETS.items()}
+    r["targets"]["accum_allreduces"] = {
+        "target": "buckets x optimizer steps (first step: 1)", "value": r["accum_allreduces"],
+        "met": None if r["accum_allreduces"] is None else r["accum_allreduces"] == r["accum_allreduces_expected"]
+        and r["accum1_allreduces"] == r["accum1_allreduces_expected"]}
+    r["machine"] = {"cpu": cpu_model(), "cores": cores, "gpu": info["gpu"], "gpus": info["gpus"],
+                    "torch": info["torch"], "torchvision": info["torchvision"], "python": platform.python_version(),
+                    "platform": platform.platform()}
+    r["config"] = {"model": MODEL, "img_size": IMG_SIZE, "batch_per_process": BATCH, "nproc": nproc,
+                   "device": "cuda" if cuda else "cpu", "threads_single": threads, "threads_per_process": per_proc,
+                   "repeats": repeats, "quick": opts.quick, "print_freq": opts.print_freq,
+                   "warmup_steps": opts.warmup_steps, "train_images": info["train_images"]}
+    r["runs"] = {name: rs for name, rs in runs.items()}
+    r["runs"]["probe"] = probes
+    return r
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table(r):
+    c, mach = r["config"], r["machine"]
+    n, t1, tn = c["nproc"], c["threads_single"], c["threads_per_process"]
+    gpu = c["device"] == "cuda"
+    where = (lambda procs: f"{procs} GPU" + "s" * (procs > 1)) if gpu else (
+        lambda procs: f"{procs} x {t1 if procs == 1 else tn} thread" + "s" * ((t1 if procs == 1 else tn) > 1))
+
+    def fmt(x, digits=1):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    def each(name, key="img_s"):
+        return " ".join(fmt(x.get(key)) for x in r["runs"].get(name, [])) or "-"
+
+    def tgt(key):
+        t = r["targets"].get(key)
+        if not t or t["met"] is None:
+            return ""
+        return ("met" if t["met"] else "missed") + (f" ({'<=' if key == 'startup_s' else '>='} {t['target']})"
+                                                    if isinstance(t["target"], float) else "")
+
+    def first(name):
+        return fmt(median(x.get("first_step_s") for x in r["runs"].get(name, [])), 2)
+
+    rows = [
+        ("compute limit (step on in-memory tensors)", where(1), fmt(r["compute_limit_img_s"]),
+         " ".join(fmt(p["compute_limit_img_s"]) for p in r["runs"]["probe"]), "-", "", "", ""),
+        ("train_single.py", where(1), fmt(r["single_img_s"]), each("single"), first("single"),
+         "single / limit", fmt(r["single_ratio"], 3), tgt("single_ratio")),
+        ("train_dp.py", where(1), fmt(r["dp_img_s"]), each("dp"), first("dp"), "dp / limit", fmt(r["dp_ratio"], 3), ""),
+        (f"ddp {n} (train_ddp_torchrun.py)", where(n), fmt(r["ddp_img_s"]), each("ddp"), first("ddp"),
+         "ddp / single", fmt(r["ddp_ratio"], 3), tgt("ddp_ratio")),
+        (f"amp {n} (train_ddp_amp.py, bf16)", where(n), fmt(r["amp_img_s"]), each("amp"), first("amp"),
+         "amp / ddp", fmt(r["amp_ratio"], 3), ""),
+        (f"ddp {n} --accum-steps 4 (no_sync)", where(n), fmt(r["accum_img_s"]), each("accum"), first("accum"),
+         "accum 4 / accum 1", fmt(r["accum_speedup"], 3), tgt("accum_speedup")),
+        ("data: project loader (ImageFiles)", "1 x 1 thread", fmt(r["loader_img_s"]),
+         " ".join(fmt(p["loader_img_s"]) for p in r["runs"]["probe"]), "-",
+         "project / textbook", fmt(r["loader_speedup"], 2), tgt("loader_speedup")),
+        ("data: textbook loader (ImageFolder+PIL)", "1 x 1 thread", fmt(r["classic_loader_img_s"]),
+         " ".join(fmt(p["classic_loader_img_s"]) for p in r["runs"]["probe"]), "-", "", "", ""),
+    ]
+    lines = [f"# Benchmark: {MODEL}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo data "
+             f"({c['train_images']} training images)",
+             f"{mach['cpu']}, {mach['cores']} cores, GPU: {mach['gpu']}, torch {mach['torch']}, "
+             f"torchvision {mach['torchvision']}; {c['repeats']} repetition(s), medians"
+             + (" (quick)" if c["quick"] else ""), "",
+             "| run | where | img/s | each run | first step s | ratio | value | target |",
+             "|---|---|---:|---|---:|---|---:|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    others = mach.get("other_cores_during")
+    lines += ["",
+              f"- gradient all-reduces (DDP: {r['ddp_buckets']} buckets per optimizer step, 1 on the first): "
+              f"accum 4: {fmt(r['accum_allreduces'], 0)} in {fmt(r['accum_optimizer_steps'], 0)} optimizer steps of 4 "
+              f"micro-steps (expected {fmt(r['accum_allreduces_expected'], 0)}); accum 1: "
+              f"{fmt(r['accum1_allreduces'], 0)} in {fmt(r['accum1_optimizer_steps'], 0)} (expected "
+              f"{fmt(r['accum1_allreduces_expected'], 0)}) {tgt('accum_allreduces')}",
+              f"- start-up of train_single.py: first step {fmt(r['first_step_s'], 2)} s after process start, of which "
+              f"{fmt(r['import_s'], 2)} s import torch + torchvision: {fmt(r['startup_s'], 2)} s of our own "
+              f"{tgt('startup_s')}",
+              f"- ddp scaling efficiency {fmt(r['ddp_scaling_efficiency'], 3)} "
+              f"({'ddp / (N x single): a GPU each' if gpu else 'ddp / single: the same cores, split'})",
+              f"- machine load: other processes used {fmt(others, 2)} cores on average during the bench "
+              f"(load average {fmt(mach.get('load_before'), 2)} before, {fmt(mach.get('load_after'), 2)} after)"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
