@@ -395,3 +395,19 @@ def test_run_sh_usage():
     good = subprocess.run(["bash", "run.sh", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert good.returncode == 0
     assert "usage: bash run.sh MODE" in good.stdout
+
+
+def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, tmp_path):
+    """--weights from a 1000-class torchvision state dict: the head is skipped (shape differs), and with --freeze
+    the backbone, BatchNorm statistics included, ends exactly as loaded while the new head learns."""
+    import torchvision
+    torch.manual_seed(123)
+    pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()
+    torch.save(pretrained, tmp_path / "resnet18.pth")
+    proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
+                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trained = load_model_state(tmp_path / "run" / "last.pt")
+    backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}
+    assert_same_weights({k: trained[k] for k in backbone}, backbone)
+    assert trained["fc.weight"].shape == (3, 512)
