@@ -20,6 +20,12 @@ if str(REPO) not in sys.path:
 FAST = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1"]
 
 
+def pytest_configure(config):
+    # torchvision 0.29 deprecates its image codecs (utils.py uses them, with PIL as the fallback); the scripts
+    # do not show the warning, and the test summary need not either
+    config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding:DeprecationWarning")
+
+
 def make_dataset(root, counts, size=32, ext=".jpg"):
     """Write a deterministic class-folder image dataset and return its root as a Path.
 
