@@ -13,8 +13,11 @@ the same model (resnet18), crop size (64) and batch per process (32), on the bui
   start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step)
 The scripts run as they are; throughput is parsed from their progress lines ("... R img/s ..."), the first steps
 dropped as warm-up: steady-state images / training time, start-up, evaluation and checkpoints excluded. All runs are
-repeated (--repeats, default 3) and interleaved; every figure is a median and every ratio is taken between medians
-measured in this same run. Results: a markdown table on stdout and <output-dir>/bench.json.
+repeated (--repeats, default 3) and interleaved, the runs compared by a ratio next to each other; every figure is
+the median over the repetitions, and every ratio the median of the ratios within each repetition of this run. The
+"other load" column says how many cores processes not started by the bench used meanwhile: on a shared machine,
+figures taken beside other work are slowed (2 compute threads on 2 cores lose far more than the share taken).
+Results: a markdown table on stdout and <output-dir>/bench.json.
 """
 import argparse
 import json
@@ -171,41 +174,110 @@ class CpuMeter:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
-    def other_cores(self):
-        """Average number of cores busy with processes not ours since the start (None where unknown)."""
+    def other_cores(self, ours_unreaped=0.0):
+        """Average number of cores busy with processes not ours since the start (None where unknown).
+
+        ours_unreaped: CPU seconds of our processes that no one of ours waits for (killed grandchildren)."""
         wall0, machine0, ours0 = self.start
         machine = self.machine()
         if machine is None or machine0 is None:
             return None
-        return max(0.0, (machine - machine0 - (self.ours() - ours0)) / max(time.perf_counter() - wall0, 1e-9))
+        ours = self.ours() - ours0 + ours_unreaped
+        return max(0.0, (machine - machine0 - ours) / max(time.perf_counter() - wall0, 1e-9))
+
+
+def process_tree(root):
+    """The pids of root's descendants (from /proc; [] elsewhere) and the CPU seconds they and their reaped children
+    have used so far."""
+    children, cpu = {}, {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        cpu[int(entry.name)] = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found, sum(cpu[pid] for pid in found)
+
+
+def kill_tree(proc):
+    """SIGKILL a run at once, launcher and every descendant: torchrun starts its workers in sessions of their own,
+    and the scripts answer SIGTERM by finishing the step and saving. Returns the CPU seconds of the descendants,
+    which no process of ours will wait for."""
+    pids, cpu = process_tree(proc.pid)
+    UNREAPED[0] += cpu
+    for pid in [proc.pid] + pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.perf_counter() + 10
+    while pids and time.perf_counter() < deadline:  # gone (or a zombie) before the next measurement starts
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+            except (OSError, IndexError):
+                pass
+        pids = alive
+        time.sleep(0.02)
+    return cpu
+
+
+UNREAPED = [0.0]  # CPU seconds of killed descendants, which no process of ours waited for (see kill_tree)
+WAIT_QUIET = [0.0]  # --wait-quiet: seconds to wait before each run for the other processes to calm down
+
+
+def wait_until_quiet(max_wait, threshold=0.15):
+    """Wait (at most max_wait seconds) until processes not ours use under `threshold` cores over a second."""
+    deadline = time.perf_counter() + max_wait
+    while time.perf_counter() < deadline:
+        meter = CpuMeter()
+        time.sleep(1)
+        others = meter.other_cores()
+        if others is None or others < threshold:
+            return
 
 
 def run_process(cmd, env, timeout, stop=None):
     """Run cmd in its own session; return (returncode, [(seconds since start, line)], stderr, other_cores, wall).
 
-    stop(lines) -> True ends the run early (SIGKILL to the whole process group, launcher and workers alike).
+    stop(lines) -> True ends the run early (SIGKILL to the launcher and all its descendants).
     """
+    if WAIT_QUIET[0]:
+        wait_until_quiet(WAIT_QUIET[0])
     meter = CpuMeter()
     start = time.perf_counter()
     err = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                            start_new_session=True)
+                            start_new_session=True)  # its own session: never our terminal's signals
     timed_out = threading.Event()
-    timer = threading.Timer(timeout, lambda: (timed_out.set(), kill_group(proc)))
+    timer = threading.Timer(timeout, lambda: (timed_out.set(), kill_tree(proc)))
     timer.start()
-    lines = []
+    lines, unreaped = [], 0.0
     try:
         for line in proc.stdout:
             lines.append((time.perf_counter() - start, line.rstrip("\n")))
             if stop and stop(lines):
-                kill_group(proc, signal.SIGKILL)  # at once: the scripts answer SIGTERM by finishing and saving
+                unreaped = kill_tree(proc)
                 break
+    except BaseException:  # Ctrl-C or SIGTERM: the run is in a session of its own, so end it here
+        kill_tree(proc)
+        raise
     finally:
         proc.stdout.close()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            kill_group(proc, signal.SIGKILL)
+            kill_tree(proc)
             proc.wait()
         timer.cancel()
     wall = time.perf_counter() - start
@@ -214,14 +286,7 @@ def run_process(cmd, env, timeout, stop=None):
     err.close()
     if timed_out.is_set():
         raise RuntimeError(f"timed out after {timeout}s: {' '.join(cmd)}\n{stderr[-2000:]}")
-    return proc.returncode, lines, stderr, meter.other_cores(), wall
-
-
-def kill_group(proc, sig=signal.SIGTERM):
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    return proc.returncode, lines, stderr, meter.other_cores(unreaped), wall
 
 
 def child_env(threads):
@@ -269,7 +334,9 @@ def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, 
     if (complete and code != 0) or not steps:
         tail = "\n".join(line for _, line in lines[-5:])
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{tail}\n{stderr[-3000:]}")
-    measured = [s for s in steps if s["first"] >= warm_steps] or steps[-1:]
+    measured = [s for s in steps if s["first"] >= warm_steps]
+    if not measured:
+        raise RuntimeError(f"{' '.join(cmd)}: no progress line after the {warm_steps} warm-up steps")
     images = sum(s["steps"] * global_batch for s in measured)
     seconds = sum(s["steps"] * global_batch / s["rate"] for s in measured)
     run = {"img_s": images / seconds, "first_line_s": steps[0]["t"], "measured_steps": sum(s["steps"] for s in measured),
@@ -306,6 +373,8 @@ def plan(opts, info, threads, nproc, tmp):
         else:
             warm = opts.warmup_steps
             measure = max(1, math.ceil(opts.images / global_batch))
+        if pf > 1 and not first_only:  # whole progress lines: one line covers pf steps
+            warm, measure = math.ceil(warm / pf) * pf, math.ceil(measure / pf) * pf
         epochs = max(1, math.ceil((warm + measure) / steps_per_epoch))
         if complete:  # a run that must finish (for its results.json): whole epochs, about the steps asked for
             epochs = max(1, round((warm + measure) / steps_per_epoch))
@@ -350,6 +419,9 @@ def main():
                         "where a progress line costs nothing, 10 on a GPU, where loss.item() syncs; then separate "
                         "runs give the time to first step)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds any one run may take")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                        help="on a shared machine: before each run, wait up to SECONDS for other processes to use "
+                        "under 0.15 cores (each run's 'other load' is reported either way)")
     # the probe child (internal)
     parser.add_argument("--child-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--limit-warmup", type=int, help=argparse.SUPPRESS)
@@ -360,6 +432,8 @@ def main():
         return probe_child(opts)
 
     started = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # so that the run in progress is ended too
+    WAIT_QUIET[0] = opts.wait_quiet
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = opts.threads or cores
     repeats = opts.repeats or (1 if opts.quick else 3)
@@ -372,7 +446,7 @@ def main():
         results = measure(opts, cores, threads, repeats, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    results["machine"].update(load_before=load_before, other_cores_during=meter.other_cores(),
+    results["machine"].update(load_before=load_before, other_cores_during=meter.other_cores(UNREAPED[0]),
                               load_after=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     results["wall_s"] = time.perf_counter() - started
     output_dir = Path(opts.output_dir)
@@ -390,9 +464,7 @@ def measure(opts, cores, threads, repeats, tmp):
     opts.warmup_steps, opts.images = (2, 96) if quick else (3, 640)
     opts.accum_steps_measured = 2 if quick else 5
 
-    probes, runs = [], {}
-    probes.append(run_probe(opts, threads))  # first: it also tells whether there is a GPU
-    info = probes[0]
+    info = run_probe(opts, threads)  # first: it also tells whether there is a GPU
     cuda = info["cuda"]
     nproc = opts.nproc or (info["gpus"] if cuda else 2)
     if cuda:  # a GPU step takes milliseconds: many more steps, and a progress line only every 10
@@ -402,16 +474,18 @@ def measure(opts, cores, threads, repeats, tmp):
         if not opts.print_freq:
             opts.print_freq = 10
     opts.print_freq = opts.print_freq or 1
-    runners = plan(opts, info, threads, nproc, tmp)
-    names = list(runners)
+    runners = {"probe": lambda rep: run_probe(opts, threads), **plan(opts, info, threads, nproc, tmp)}
+    # The runs compared by a ratio follow each other, and every other repetition goes in reverse order: a slow
+    # drift of the machine's speed (seen here: +-10% over a minute) then hits both sides of each ratio alike.
+    names = [name for name in ("probe", "single", "ddp", "accum", "amp", "dp", "startup") if name in runners]
+    runs = {"probe": [info]}
     for rep in range(repeats):
-        if rep:
-            probes.append(run_probe(opts, threads))
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no run always follows the same one
-        for name in order:
+        for name in names if rep % 2 == 0 else names[::-1]:
+            if rep == 0 and name == "probe":
+                continue
             print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
             runs.setdefault(name, []).append(runners[name](rep))
-    return summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda)
+    return summarize(opts, info, runs, cores, threads, nproc, repeats, cuda)
 
 
 def median(values):
@@ -425,24 +499,28 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda):
-    m = {name: median(r["img_s"] for r in rs) for name, rs in runs.items()}
+def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
+    probes = runs["probe"]
+    m = {name: median(x["img_s"] for x in rs) for name, rs in runs.items() if name != "probe"}
     limit = median(p["compute_limit_img_s"] for p in probes)
     import_s = median(p["import_s"] for p in probes)
-    first_runs = runs.get("startup") or runs["single"]
-    first_step = median(r.get("first_step_s") for r in first_runs)
+    first_step = median(x.get("first_step_s") for x in runs.get("startup") or runs["single"])
     accum, ddp = runs.get("accum", []), runs["ddp"]
     per_proc = max(1, threads // nproc)
+    each = {}  # ratios within each repetition, between runs that followed each other
+
+    def rep_ratio(name, a, a_key, b, b_key):
+        each[name] = [ratio(x.get(a_key), y.get(b_key)) for x, y in zip(runs.get(a, []), runs.get(b, []))]
+        return median(each[name])
     r = {
         "compute_limit_img_s": limit,
-        "single_img_s": m["single"], "single_ratio": ratio(m["single"], limit),
-        "dp_img_s": m["dp"], "dp_ratio": ratio(m["dp"], limit),
-        "ddp_img_s": m["ddp"], "ddp_ratio": ratio(m["ddp"], m["single"]),
-        # the share of ideal scaling: on a CPU the N processes share the single run's cores (ideal: = single);
-        # on GPUs each process has its own (ideal: N x single)
-        "ddp_scaling_efficiency": ratio(m["ddp"], m["single"] * (nproc if cuda else 1)),
-        "amp_img_s": m["amp"], "amp_ratio": ratio(m["amp"], m["ddp"]),
-        "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"], "accum_speedup": ratio(m.get("accum"), m["ddp"]),
+        "single_img_s": m["single"], "single_ratio": rep_ratio("single_ratio", "single", "img_s", "probe",
+                                                                "compute_limit_img_s"),
+        "dp_img_s": m["dp"], "dp_ratio": rep_ratio("dp_ratio", "dp", "img_s", "probe", "compute_limit_img_s"),
+        "ddp_img_s": m["ddp"], "ddp_ratio": rep_ratio("ddp_ratio", "ddp", "img_s", "single", "img_s"),
+        "amp_img_s": m["amp"], "amp_ratio": rep_ratio("amp_ratio", "amp", "img_s", "ddp", "img_s"),
+        "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"],
+        "accum_speedup": rep_ratio("accum_speedup", "accum", "img_s", "ddp", "img_s"),
         "accum_allreduces": median(x.get("allreduces") for x in accum),
         "accum_optimizer_steps": median(x.get("optimizer_steps") for x in accum),
         "accum1_allreduces": median(x.get("allreduces") for x in ddp),
@@ -452,7 +530,11 @@ def summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda):
         "loader_img_s": median(p["loader_img_s"] for p in probes),
         "classic_loader_img_s": median(p["classic_loader_img_s"] for p in probes),
     }
-    r["loader_speedup"] = ratio(r["loader_img_s"], r["classic_loader_img_s"])
+    # the share of ideal scaling: on a CPU the N processes share the single run's cores (ideal: ddp = single);
+    # on GPUs each process has a GPU of its own (ideal: N x single)
+    r["ddp_scaling_efficiency"] = r["ddp_ratio"] / nproc if cuda and r["ddp_ratio"] else r["ddp_ratio"]
+    r["loader_speedup"] = rep_ratio("loader_speedup", "probe", "loader_img_s", "probe", "classic_loader_img_s")
+    r["ratios_each_repetition"] = each
     # DDP all-reduces one bucket per gradient bucket and optimizer step; on the very first step it has not yet
     # rebuilt its buckets in gradient order and all-reduces everything as one.
     buckets = info["ddp_buckets"]
@@ -476,8 +558,13 @@ def summarize(opts, info, probes, runs, cores, threads, nproc, repeats, cuda):
                    "device": "cuda" if cuda else "cpu", "threads_single": threads, "threads_per_process": per_proc,
                    "repeats": repeats, "quick": opts.quick, "print_freq": opts.print_freq,
                    "warmup_steps": opts.warmup_steps, "train_images": info["train_images"]}
-    r["runs"] = {name: rs for name, rs in runs.items()}
-    r["runs"]["probe"] = probes
+    r["notes"] = [
+        "img/s: steady-state images per second of training, from the scripts' progress lines after the warm-up "
+        "steps (start-up, evaluation and checkpoints excluded); the median over the repetitions",
+        "ratios: the median over the repetitions of the ratio between runs of the same repetition",
+        "other_cores: cores used by processes not started by the bench while a run went on",
+    ]
+    r["runs"] = runs
     return r
 
 
@@ -492,68 +579,72 @@ def cpu_model():
 
 
 def table(r):
-    c, mach = r["config"], r["machine"]
+    c, mach, runs = r["config"], r["machine"], r["runs"]
     n, t1, tn = c["nproc"], c["threads_single"], c["threads_per_process"]
     gpu = c["device"] == "cuda"
-    where = (lambda procs: f"{procs} GPU" + "s" * (procs > 1)) if gpu else (
-        lambda procs: f"{procs} x {t1 if procs == 1 else tn} thread" + "s" * ((t1 if procs == 1 else tn) > 1))
+
+    def where(procs):
+        if gpu:
+            return f"{procs} GPU" + "s" * (procs > 1)
+        threads = t1 if procs == 1 else tn
+        return f"{procs} x {threads} thread" + "s" * (threads > 1)
 
     def fmt(x, digits=1):
         return "-" if x is None else f"{x:.{digits}f}"
-
-    def each(name, key="img_s"):
-        return " ".join(fmt(x.get(key)) for x in r["runs"].get(name, [])) or "-"
 
     def tgt(key):
         t = r["targets"].get(key)
         if not t or t["met"] is None:
             return ""
-        return ("met" if t["met"] else "missed") + (f" ({'<=' if key == 'startup_s' else '>='} {t['target']})"
-                                                    if isinstance(t["target"], float) else "")
+        bound = f" ({'<=' if key == 'startup_s' else '>='} {t['target']})" if isinstance(t["target"], float) else ""
+        return ("met" if t["met"] else "missed") + bound
 
-    def first(name):
-        return fmt(median(x.get("first_step_s") for x in r["runs"].get(name, [])), 2)
+    def row(label, place, name, key, ratio_label="", ratio_key=None, digits=3):
+        rs = runs.get(name, [])
+        first = median(x.get("first_step_s") for x in runs.get("startup" if name == "single" else "", rs))
+        return [label, place, fmt(median(x.get(key) for x in rs)), " ".join(fmt(x.get(key)) for x in rs) or "-",
+                fmt(first, 2), ratio_label, fmt(r.get(ratio_key), digits) if ratio_key else "",
+                tgt(ratio_key) if ratio_key else "", fmt(median(x.get("other_cores") for x in rs), 2)]
 
     rows = [
-        ("compute limit (step on in-memory tensors)", where(1), fmt(r["compute_limit_img_s"]),
-         " ".join(fmt(p["compute_limit_img_s"]) for p in r["runs"]["probe"]), "-", "", "", ""),
-        ("train_single.py", where(1), fmt(r["single_img_s"]), each("single"), first("single"),
-         "single / limit", fmt(r["single_ratio"], 3), tgt("single_ratio")),
-        ("train_dp.py", where(1), fmt(r["dp_img_s"]), each("dp"), first("dp"), "dp / limit", fmt(r["dp_ratio"], 3), ""),
-        (f"ddp {n} (train_ddp_torchrun.py)", where(n), fmt(r["ddp_img_s"]), each("ddp"), first("ddp"),
-         "ddp / single", fmt(r["ddp_ratio"], 3), tgt("ddp_ratio")),
-        (f"amp {n} (train_ddp_amp.py, bf16)", where(n), fmt(r["amp_img_s"]), each("amp"), first("amp"),
-         "amp / ddp", fmt(r["amp_ratio"], 3), ""),
-        (f"ddp {n} --accum-steps 4 (no_sync)", where(n), fmt(r["accum_img_s"]), each("accum"), first("accum"),
-         "accum 4 / accum 1", fmt(r["accum_speedup"], 3), tgt("accum_speedup")),
-        ("data: project loader (ImageFiles)", "1 x 1 thread", fmt(r["loader_img_s"]),
-         " ".join(fmt(p["loader_img_s"]) for p in r["runs"]["probe"]), "-",
-         "project / textbook", fmt(r["loader_speedup"], 2), tgt("loader_speedup")),
-        ("data: textbook loader (ImageFolder+PIL)", "1 x 1 thread", fmt(r["classic_loader_img_s"]),
-         " ".join(fmt(p["classic_loader_img_s"]) for p in r["runs"]["probe"]), "-", "", "", ""),
+        row("compute limit: the step on in-memory tensors", where(1), "probe", "compute_limit_img_s"),
+        row("train_single.py", where(1), "single", "img_s", "single / limit", "single_ratio"),
+        row("train_dp.py", where(max(1, mach["gpus"])), "dp", "img_s", "dp / limit", "dp_ratio"),
+        row(f"ddp {n}: train_ddp_torchrun.py", where(n), "ddp", "img_s", "ddp / single", "ddp_ratio"),
+        row(f"amp {n}: train_ddp_amp.py (bf16)", where(n), "amp", "img_s", "amp / ddp", "amp_ratio"),
+        row(f"ddp {n} --accum-steps 4 (no_sync)", where(n), "accum", "img_s", "accum 4 / accum 1", "accum_speedup"),
+        row("data: project loader (ImageFiles)", "1 x 1 thread", "probe", "loader_img_s",
+            "project / textbook", "loader_speedup", 2),
+        row("data: textbook loader (ImageFolder, PIL)", "1 x 1 thread", "probe", "classic_loader_img_s"),
     ]
+    for cells in rows[0], rows[-2], rows[-1]:
+        cells[4] = "-"  # no training script: no first step
+    others = mach.get("other_cores_during")
     lines = [f"# Benchmark: {MODEL}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo data "
              f"({c['train_images']} training images)",
              f"{mach['cpu']}, {mach['cores']} cores, GPU: {mach['gpu']}, torch {mach['torch']}, "
              f"torchvision {mach['torchvision']}; {c['repeats']} repetition(s), medians"
-             + (" (quick)" if c["quick"] else ""), "",
-             "| run | where | img/s | each run | first step s | ratio | value | target |",
-             "|---|---|---:|---|---:|---|---:|---|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    others = mach.get("other_cores_during")
-    lines += ["",
-              f"- gradient all-reduces (DDP: {r['ddp_buckets']} buckets per optimizer step, 1 on the first): "
-              f"accum 4: {fmt(r['accum_allreduces'], 0)} in {fmt(r['accum_optimizer_steps'], 0)} optimizer steps of 4 "
-              f"micro-steps (expected {fmt(r['accum_allreduces_expected'], 0)}); accum 1: "
-              f"{fmt(r['accum1_allreduces'], 0)} in {fmt(r['accum1_optimizer_steps'], 0)} (expected "
-              f"{fmt(r['accum1_allreduces_expected'], 0)}) {tgt('accum_allreduces')}",
-              f"- start-up of train_single.py: first step {fmt(r['first_step_s'], 2)} s after process start, of which "
-              f"{fmt(r['import_s'], 2)} s import torch + torchvision: {fmt(r['startup_s'], 2)} s of our own "
-              f"{tgt('startup_s')}",
-              f"- ddp scaling efficiency {fmt(r['ddp_scaling_efficiency'], 3)} "
-              f"({'ddp / (N x single): a GPU each' if gpu else 'ddp / single: the same cores, split'})",
-              f"- machine load: other processes used {fmt(others, 2)} cores on average during the bench "
-              f"(load average {fmt(mach.get('load_before'), 2)} before, {fmt(mach.get('load_after'), 2)} after)"]
+             + (" (--quick)" if c["quick"] else ""), "",
+             "| run | where | img/s | each run | first step s | ratio | value | target | other load |",
+             "|---|---|---:|---|---:|---|---:|---|---:|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    lines += [
+        "",
+        f"- gradient all-reduces (DDP: {r['ddp_buckets']} buckets per optimizer step, "
+        f"{r['ddp_buckets_first_step']} on the first): accum 4: {fmt(r['accum_allreduces'], 0)} in "
+        f"{fmt(r['accum_optimizer_steps'], 0)} optimizer steps of 4 micro-steps (expected "
+        f"{fmt(r['accum_allreduces_expected'], 0)}); accum 1: {fmt(r['accum1_allreduces'], 0)} in "
+        f"{fmt(r['accum1_optimizer_steps'], 0)} (expected {fmt(r['accum1_allreduces_expected'], 0)}) "
+        f"{tgt('accum_allreduces')}",
+        f"- start-up of train_single.py: first step {fmt(r['first_step_s'], 2)} s after process start, of which "
+        f"{fmt(r['import_s'], 2)} s to import torch + torchvision: {fmt(r['startup_s'], 2)} s of its own "
+        f"{tgt('startup_s')}",
+        f"- ddp scaling efficiency {fmt(r['ddp_scaling_efficiency'], 3)} "
+        f"({'ddp / (N x single): a GPU each' if gpu else 'ddp / single: the same cores, split between processes'})",
+        f"- other load: cores used by processes not ours during each kind of run (median), "
+        f"{fmt(others, 2)} on average over the whole bench (load average {fmt(mach.get('load_before'), 2)} before, "
+        f"{fmt(mach.get('load_after'), 2)} after): above ~0.1 the figures are slowed by others",
+    ]
     return "\n".join(lines)
 
 
