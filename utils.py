@@ -157,12 +157,15 @@ def find_images(data_path, val_fraction):
         unknown = sorted(set(val_classes) - set(classes))
         if unknown:
             raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
-        val = [(path, classes.index(val_classes[label])) for path, label in val]
+        index = {name: i for i, name in enumerate(classes)}
+        val = [(path, index[val_classes[label]]) for path, label in val]
     else:
         classes, samples = _scan_classes(root)
+        per_class = [[] for _ in classes]  # one pass: start-up stays linear in the number of files
+        for path, label in samples:
+            per_class[label].append(path)
         train, val = [], []
-        for label in range(len(classes)):
-            files = [path for path, y in samples if y == label]
+        for label, files in enumerate(per_class):
             order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
             n_val = round(val_fraction * len(files))
             val += [(files[i], label) for i in sorted(order[:n_val])]
