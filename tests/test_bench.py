@@ -24,6 +24,9 @@ def test_quick_bench_writes_every_figure(tmp_path):
         value = result.get(key)
         assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}: {value!r}"
         assert math.isfinite(value) and value > 0, f"{key}: {value!r}"
+    if result["config"]["device"] == "cpu":  # N processes' compute limit side by side: the accumulation ceiling
+        for key in ("compute_limit_split_img_s", "accum_ceiling"):
+            assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
     machine = result["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["gpu"] and machine["torch"]
     assert result["config"]["quick"] and result["config"]["repeats"] == 1

@@ -4,7 +4,9 @@
 
 Every measurement runs in its own fresh process with its thread count set by this script (OMP_NUM_THREADS), with
 the same model (resnet18), crop size (64) and batch per process (32), on the built-in demo data:
-  compute limit   forward + backward + SGD step on in-memory tensors, no data loading, all the threads (or the GPU)
+  compute limit   forward + backward + SGD step on in-memory tensors, no data loading, all the threads (or the GPU);
+                  on a CPU also N such processes side by side with the threads split, no all-reduce (the most
+                  that ddp N, and so --accum-steps with no_sync, can reach)
   single, dp      train_single.py and train_dp.py with all the threads
   ddp N, amp N    train_ddp_torchrun.py and train_ddp_amp.py under torchrun, the threads split between processes
   accumulation    ddp N with --accum-steps 4 (no_sync) against ddp N with --accum-steps 1 (all-reduce every micro-step)
@@ -24,6 +26,7 @@ import json
 import math
 import os
 import platform
+import queue
 import re
 import resource
 import shutil
@@ -68,10 +71,9 @@ def probe_child(opts):
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def compute_limit(torch, utils, num_classes, cuda, warmup, steps):
-    """img/s of the training step alone (forward, backward, SGD step) on tensors already on the device."""
+def training_step(torch, utils, num_classes, device):
+    """The training step alone (forward, backward, SGD step) on one batch of tensors already on the device."""
     import torch.nn.functional as F
-    device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     model = utils.build_model(MODEL, num_classes).to(device)
     model.train()
@@ -84,7 +86,12 @@ def compute_limit(torch, utils, num_classes, cuda, warmup, steps):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return step
 
+
+def compute_limit(torch, utils, num_classes, cuda, warmup, steps):
+    """img/s of the training step alone on tensors already on the device."""
+    step = training_step(torch, utils, num_classes, torch.device("cuda" if cuda else "cpu"))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         step()
@@ -94,6 +101,54 @@ def compute_limit(torch, utils, num_classes, cuda, warmup, steps):
         step()
     sync()
     return steps * BATCH / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------ child: split limit
+def split_child(opts):
+    """The compute limit of N processes side by side on the CPU, the threads split between them, with no
+    communication and no data loading: what DDP could reach if its all-reduces cost nothing, so the most that
+    skipping them (--accum-steps with no_sync) can give."""
+    import multiprocessing
+    nproc, threads, num_classes = opts.child_split
+    context = multiprocessing.get_context("spawn")
+    barrier, done, rates = context.Barrier(nproc), context.Event(), context.Queue()
+    warmup, steps = opts.limit[0], max(2, opts.limit[1] // nproc)  # a step on 1/N of the threads takes ~N x longer
+    workers = [context.Process(target=split_worker, args=(threads, num_classes, warmup, steps, barrier, done, rates))
+               for _ in range(nproc)]
+    for worker in workers:
+        worker.start()
+    measured = []
+    try:
+        while len(measured) < nproc:
+            try:
+                measured.append(rates.get(timeout=1))
+            except queue.Empty:
+                if any(worker.exitcode not in (None, 0) for worker in workers):
+                    raise RuntimeError("a compute-limit process failed (its traceback is above)") from None
+    finally:
+        done.set()  # each process keeps stepping until then, so that every measurement had all of them running
+        for worker in workers:
+            worker.join(timeout=60)
+            if worker.is_alive():
+                worker.kill()
+    print(RESULT_TAG + json.dumps({"img_s": sum(measured)}), flush=True)
+
+
+def split_worker(threads, num_classes, warmup, steps, barrier, done, rates):
+    import torch
+    sys.path.insert(0, str(REPO))
+    import utils
+    torch.set_num_threads(threads)
+    step = training_step(torch, utils, num_classes, torch.device("cpu"))
+    for _ in range(warmup):
+        step()
+    barrier.wait(timeout=300)  # all warmed up: measure side by side
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    rates.put(steps * BATCH / (time.perf_counter() - start))
+    while not done.is_set():
+        step()
 
 
 def ddp_buckets(torch, utils, num_classes):
@@ -290,6 +345,16 @@ def run_process(cmd, env, timeout, stop=None):
     return proc.returncode, lines, stderr, meter.other_cores(unreaped), wall
 
 
+def run_split(opts, nproc, per_proc, num_classes):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-split", str(nproc), str(per_proc), str(num_classes),
+           "--limit", *map(str, opts.limit), "--timeout", str(opts.timeout)]
+    code, lines, stderr, others, wall = run_process(cmd, child_env(per_proc), opts.timeout)
+    found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
+    if code != 0 or not found:
+        raise RuntimeError(f"the split compute-limit processes failed (exit {code}):\n{stderr[-3000:]}")
+    return dict(json.loads(found[0]), other_cores=others, wall_s=wall)
+
+
 def child_env(threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env.pop("TORCHELASTIC_MAX_RESTARTS", None)
@@ -423,13 +488,16 @@ def main():
     parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                         help="on a shared machine: before each run, wait up to SECONDS for other processes to use "
                         "under 0.15 cores (each run's 'other load' is reported either way)")
-    # the probe child (internal)
+    # the probe children (internal)
     parser.add_argument("--child-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-split", type=int, nargs=3, help=argparse.SUPPRESS)  # processes, threads, classes
     parser.add_argument("--limit", type=int, nargs=4, help=argparse.SUPPRESS)  # warm-up, steps: CPU, then GPU
     parser.add_argument("--loader-batches", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child_probe:
         return probe_child(opts)
+    if opts.child_split:
+        return split_child(opts)
 
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # so that the run in progress is ended too
@@ -474,9 +542,11 @@ def measure(opts, cores, threads, repeats, tmp):
             opts.print_freq = 10
     opts.print_freq = opts.print_freq or 1
     runners = {"probe": lambda rep: run_probe(opts, threads), **plan(opts, info, threads, nproc, tmp)}
+    if not cuda and nproc > 1:  # on GPUs each process has a GPU of its own: the ideal is N x the compute limit
+        runners["split"] = lambda rep: run_split(opts, nproc, max(1, threads // nproc), info["classes"])
     # The runs compared by a ratio follow each other, and every other repetition goes in reverse order: a slow
     # drift of the machine's speed (seen here: +-10% over a minute) then hits both sides of each ratio alike.
-    names = [name for name in ("probe", "single", "ddp", "accum", "amp", "dp", "startup") if name in runners]
+    names = [name for name in ("probe", "single", "ddp", "split", "accum", "amp", "dp", "startup") if name in runners]
     runs = {"probe": [info]}
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
@@ -518,6 +588,8 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
         "dp_img_s": m["dp"], "dp_ratio": rep_ratio("dp_ratio", "dp", "img_s", "probe", "compute_limit_img_s"),
         "ddp_img_s": m["ddp"], "ddp_ratio": rep_ratio("ddp_ratio", "ddp", "img_s", "single", "img_s"),
         "amp_img_s": m["amp"], "amp_ratio": rep_ratio("amp_ratio", "amp", "img_s", "ddp", "img_s"),
+        "compute_limit_split_img_s": m.get("split"),
+        "accum_ceiling": rep_ratio("accum_ceiling", "split", "img_s", "ddp", "img_s"),
         "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"],
         "accum_speedup": rep_ratio("accum_speedup", "accum", "img_s", "ddp", "img_s"),
         "accum_allreduces": median(x.get("allreduces") for x in accum),
@@ -623,8 +695,12 @@ def table(r):
             "project / textbook", "loader_speedup", 2),
         row("data: textbook loader (ImageFolder, PIL)", "1 x 1 thread", "probe", "classic_loader_img_s"),
     ]
-    for cells in rows[0], rows[-2], rows[-1]:
-        cells[4] = "-"  # no training script: no first step
+    if "split" in runs:
+        rows.insert(1, row(f"compute limit: {n} processes side by side, no all-reduce", where(n), "split", "img_s",
+                           "split / ddp: accum ceiling", "accum_ceiling"))
+    for cells in rows:
+        if cells[0].startswith(("compute limit", "data:")):
+            cells[4] = "-"  # no training script: no first step
     others = mach.get("other_cores_during")
     lines = [f"# Benchmark: {MODEL}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo data "
              f"({c['train_images']} training images)",
@@ -642,6 +718,9 @@ def table(r):
         f"{fmt(r['accum_allreduces_expected'], 0)}); accum 1: {fmt(r['accum1_allreduces'], 0)} in "
         f"{fmt(r['accum1_optimizer_steps'], 0)} (expected {fmt(r['accum1_allreduces_expected'], 0)}) "
         f"{tgt('accum_allreduces')}",
+        *([f"- accumulation ceiling {fmt(r['accum_ceiling'], 3)}: {n} processes' compute limit side by side, with no "
+           f"all-reduce and no data loading, over ddp {n}: skipping all-reduces cannot give more than that"]
+          if r.get("accum_ceiling") else []),
         f"- start-up of train_single.py: first step {fmt(r['first_step_s'], 2)} s after process start, of which "
         f"{fmt(r['import_s'], 2)} s to import torch + torchvision: {fmt(r['startup_s'], 2)} s of its own "
         f"{tgt('startup_s')}",
