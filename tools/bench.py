@@ -345,33 +345,33 @@ def run_process(cmd, env, timeout, stop=None):
     return proc.returncode, lines, stderr, meter.other_cores(unreaped), wall
 
 
-def run_split(opts, nproc, per_proc, num_classes):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-split", str(nproc), str(per_proc), str(num_classes),
-           "--limit", *map(str, opts.limit), "--timeout", str(opts.timeout)]
-    code, lines, stderr, others, wall = run_process(cmd, child_env(per_proc), opts.timeout)
-    found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
-    if code != 0 or not found:
-        raise RuntimeError(f"the split compute-limit processes failed (exit {code}):\n{stderr[-3000:]}")
-    return dict(json.loads(found[0]), other_cores=others, wall_s=wall)
-
-
 def child_env(threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env.pop("TORCHELASTIC_MAX_RESTARTS", None)
     return env
 
 
-def run_probe(opts, threads):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-probe", "--loader-batches", str(opts.loader_batches),
-           "--limit", *map(str, opts.limit)]
+def run_child(opts, what, threads, *args):
+    """Run this script as a measuring child; its result line as a dict, plus the lines it printed (timed)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args, "--limit", *map(str, opts.limit),
+           "--timeout", str(opts.timeout)]
     code, lines, stderr, others, wall = run_process(cmd, child_env(threads), opts.timeout)
     found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
     if code != 0 or not found:
-        raise RuntimeError(f"the probe process failed (exit {code}):\n{stderr[-3000:]}")
-    result = json.loads(found[0])
+        raise RuntimeError(f"the {what} failed (exit {code}):\n{stderr[-3000:]}")
+    return dict(json.loads(found[0]), other_cores=others, wall_s=wall), lines
+
+
+def run_probe(opts, threads):
+    result, lines = run_child(opts, "probe process", threads, "--child-probe", "--loader-batches",
+                              str(opts.loader_batches))
     result["import_s"] = next(t for t, line in lines if line == IMPORTED_TAG)
-    result["other_cores"], result["wall_s"] = others, wall
     return result
+
+
+def run_split(opts, nproc, per_proc, num_classes):
+    return run_child(opts, "split compute-limit processes", per_proc, "--child-split", str(nproc), str(per_proc),
+                     str(num_classes))[0]
 
 
 def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, complete, output_dir, timeout):
