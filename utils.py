@@ -3,8 +3,10 @@
 What differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts.
 """
 import argparse
+import array
 import contextlib
 import gc
+import itertools
 import json
 import math
 import os
@@ -149,7 +151,7 @@ def resolve_run(args, script):
 
 # ------------------------------------------------------------------------------------------------- data
 def find_images(data_path, val_fraction):
-    """Return (class names, train samples, val samples); a sample is (path, class index).
+    """Return (class names, train samples, val samples); the samples are Samples of (path, class index) pairs.
 
     Accepts a folder of class sub-folders (split per class by val_fraction, the same split whatever --seed)
     or a folder holding train/ and val/ class folders.
@@ -180,7 +182,7 @@ def find_images(data_path, val_fraction):
         raise UsageError(f"the validation split of {root} is empty; raise --val-fraction or add images")
     if not train:
         raise UsageError(f"the training split of {root} is empty; lower --val-fraction or add images")
-    return classes, train, val
+    return classes, Samples(train), Samples(val)
 
 
 def _scan_classes(root):
@@ -201,6 +203,30 @@ def _scan_classes(root):
     if len(classes) < 2:
         raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
     return classes, samples
+
+
+class Samples:
+    """A read-only list of (path, label) pairs, packed into one bytes object and two arrays of machine integers.
+
+    A list of tuples is written to by every read (reference counts) and by garbage-collector passes (headers), so
+    each forked DataLoader worker ends up copying it: 217 MB per worker for 1.28 M ImageNet paths; packed, 1 MB.
+    """
+
+    def __init__(self, pairs):
+        paths = [os.fsencode(path) for path, _ in pairs]  # fsencode/fsdecode round-trip undecodable file names
+        self.paths = b"".join(paths)
+        self.offsets = array.array("q", itertools.accumulate(map(len, paths), initial=0))
+        self.labels = array.array("i", [label for _, label in pairs])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        index = range(len(self.labels))[index]  # bounds check, and negative indices
+        return os.fsdecode(self.paths[self.offsets[index]:self.offsets[index + 1]]), self.labels[index]
+
+    def __iter__(self):
+        return map(self.__getitem__, range(len(self.labels)))
 
 
 class ImageFiles(Dataset):
