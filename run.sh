@@ -87,18 +87,47 @@ case "$mode" in
   amp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_amp.py ;;
 esac
 
-# Run the launcher as a child (SIGTERM and Ctrl-C are passed on to it), so that a rendezvous that times out
-# ends with one line saying what is missing.
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-"${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@" 2> >(tee "$log" >&2) &
+# Run the launcher as a child in a process group of its own, and pass SIGTERM and Ctrl-C on to it exactly once
+# (torchrun's agent cuts its own graceful shutdown short if a second signal arrives during it). A rendezvous that
+# times out ends with one line saying what is missing. A stopped job ends with the scripts' own line: the traceback
+# that the agent prints for the signal it received (SignalException) is left out, and the exit status is 128 + that
+# signal, as for the workers. Every other line, and every other traceback, is shown.
+tmp=$(mktemp -d) log=$tmp/log
+trap 'rm -rf "$tmp"' EXIT
+mkfifo "$tmp/stderr"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
+(trap '' INT TERM; exec "$PYTHON" -u -c '
+import re, sys
+held, log = [], open(sys.argv[1], "w")
+for line in iter(sys.stdin.readline, ""):
+    log.write(line)
+    log.flush()
+    if held and line[:1] in " \t":  # inside a traceback: hold it until its last line says what it is
+        held.append(line)
+        continue
+    if held and re.match(r"torch\S*SignalException: Process \d+ got signal: \d+$", line):
+        held = []  # the agent reporting the signal that stopped it: the scripts have said so already
+        continue
+    sys.stderr.writelines(held)
+    held = [line] if line.startswith("Traceback (most recent call last):") else []
+    if not held:
+        sys.stderr.write(line)
+sys.stderr.writelines(held)' "$log" <"$tmp/stderr") &
+filter=$!
+set -m
+"${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@" 2>"$tmp/stderr" &
 pid=$!
-trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+set +m
+trap 'kill -TERM "$pid" 2>/dev/null' TERM
+trap 'kill -INT "$pid" 2>/dev/null' INT
 status=0
 wait "$pid" || status=$?
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || status=$?; done  # a trapped signal interrupts wait
+wait "$filter"
 if grep -q RendezvousTimeoutError "$log"; then
   echo "run.sh: not all $NNODES nodes joined $MASTER_ADDR:$MASTER_PORT within ${RDZV_TIMEOUT}s (RDZV_TIMEOUT):" \
        "start the same command on every node, and check that they reach that address" >&2
 fi
+signum=$(sed -n 's/^torch.*SignalException: Process [0-9]* got signal: \([0-9]*\)$/\1/p' "$log" | tail -n 1)
+if [ "$status" -ne 0 ] && [ -n "$signum" ]; then status=$(( 128 + signum )); fi
 exit "$status"

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,6 +25,9 @@ import utils
 
 def main(args):
     start_time = time.time()
+    if "RANK" not in os.environ:
+        raise utils.UsageError("start this script with torchrun, which runs one process per device: "
+                               "bash run.sh ddp [N], or torchrun --standalone --nproc-per-node=N train_ddp_torchrun.py")
     utils.check_args(args)
     device = utils.get_device(args.device)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp_dtype]
@@ -32,10 +36,14 @@ def main(args):
     if amp_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise utils.UsageError("this GPU has no bf16 support; use --amp-dtype fp16")
     # torchrun --max-restarts reruns this same command after a failure; the new processes continue from the last
-    # checkpoint, so the output folder must be the same for every attempt: the run id is.
+    # checkpoint, so the output folder must be the same for every attempt: the run id is. Whether to resume is
+    # decided by the checkpoint's run id, not by TORCHELASTIC_RESTART_COUNT: each node's agent counts only its own
+    # failures, and a node restarted because another one failed (or a replacement node) still says 0.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        args.output_dir = args.output_dir or f"runs/{Path(__file__).stem}-{os.environ['TORCHELASTIC_RUN_ID']}"
-        if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and (Path(args.output_dir) / "last.pt").exists():
+        args.output_dir = args.output_dir or f"runs/{Path(__file__).stem}-{run_id}"
+        last = Path(args.output_dir) / "last.pt"
+        if last.exists() and utils.load_file(last, "--resume").get("run_id") == run_id:
             args.resume = "auto"
     output_dir, resume = utils.resolve_run(args, __file__)
 
@@ -48,11 +56,16 @@ def main(args):
                                    f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT for the whole job, across elastic restarts, and
-    # torch 2.14 no longer gives each attempt its own keys: a restarted group can read the dead group's and fail
-    # ("Gloo connectFullMesh failed", or a hang; 4 of 5 restarts here). A key prefix per restart fixes it.
+    # By default torchrun's agent serves one store (MASTER_ADDR:MASTER_PORT) for every attempt of the job, and
+    # torch 2.14 gives no attempt keys of its own: a restarted group can read the dead group's and fail ("Gloo
+    # connectFullMesh failed", or a hang; 4 of 5 restarts here). run.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    # rank 0 then serves a fresh store for each attempt. With the shared store, a key prefix per restart works on
+    # one node only, since each agent counts its own restarts (torch/distributed/elastic/agent/server/api.py).
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
+            raise utils.UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                                   "environment (run.sh sets it), or the restarted nodes may never meet again")
         store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=timedelta(seconds=args.dist_timeout)))
@@ -68,10 +81,11 @@ def main(args):
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
                               num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
-                              persistent_workers=args.workers > 0)
+                              persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_set = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+                            worker_init_fn=utils.ignore_stop_signals)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
@@ -99,21 +113,27 @@ def main(args):
     lr = args.lr * global_batch / 256
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
                                 weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
+    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
     # fp16 has a narrow range: scale the loss up so small gradients do not flush to zero. bf16 needs no scaler.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
-    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
+    start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
         model.module.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
             scaler.load_state_dict(checkpoint["scaler"])
             torch.set_rng_state(checkpoint["rng"])
-            start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
-            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
+            start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
+            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
+                       f"{len(train_sampler) * world_size} samples (at global batch {checkpoint['global_batch']})")
+    # Every rank must train on the same data from the same point (each node may read its own disk): compare.
+    utils.same_on_every_rank(classes=classes, training_images=len(train_samples),
+                             validation_images=len(val_samples), resume_point=(start_epoch, start_samples))
+    # The first step to run: the same samples are done whatever the world size and batch that did them, and this
+    # run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (len(train_sampler) * world_size - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
         print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
@@ -130,29 +150,41 @@ def main(args):
                                                            "val_count": val_count, "checkpoint": str(resume)})
         return
 
-    def save(epoch, step, is_best=False):
+    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
                                "scaler": scaler.state_dict(),
-                               "epoch": epoch, "step": step, "best_acc": best_acc,
+                               "rng": torch.get_rng_state(), "epoch": epoch, "samples": samples,
+                               "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
     if rank == 0:
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-    # Preemption: SLURM and cloud schedulers send SIGTERM (torchrun forwards it to every worker), then SIGKILL after
-    # a grace period. Note it, let every rank finish the same step, save, and exit; --resume auto continues.
-    preempted = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
+    # Preemption: SLURM and cloud schedulers send SIGTERM, then SIGKILL after a grace period; Ctrl-C sends SIGINT.
+    # torchrun forwards them to every worker (SLURM and a terminal reach every process of the job themselves).
+    # Note the signal; every rank then stops after the same step, rank 0 saves, and --resume auto continues.
+    stop_signal = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop_signal.append(signum))
+
+    def stop(epoch, samples, vote):
+        if rank == 0:
+            save(epoch, samples)
+            print(f"stopped by {signal.Signals(vote).name} after step {global_step}: checkpoint saved; continue "
+                  f"with --resume auto --output-dir {output_dir}", flush=True)
+        sys.exit(128 + vote)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
-    val_acc = None
+    val_acc, global_step, vote, voting = None, start_epoch * steps_per_epoch + start_step, None, None
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
-        train_loader.sampler.start(epoch, skip=start_step * args.accum_steps * args.batch_size)
+        train_loader.sampler.start(epoch, start_samples)
         utils.train_mode(model, args.freeze)
         log.start_epoch(epoch, start_step)
-        for micro_step, (images, labels) in enumerate(train_loader, start=start_step * args.accum_steps):
+        samples = start_samples
+        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        for micro_step, (images, labels) in enumerate(batches, start=start_step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
@@ -166,6 +198,9 @@ def main(args):
                 scaler.scale(loss).backward()
             if not last_micro:
                 continue
+            global_step = epoch * steps_per_epoch + step + 1
+            for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
+                group["lr"] = lr * schedule(global_step - 1)
             # Clip the true gradients: unscale them first (a no-op for bf16), then clip, then step.
             scaler.unscale_(optimizer)
             if args.clip_grad:
@@ -173,23 +208,27 @@ def main(args):
             scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            global_step = epoch * steps_per_epoch + step + 1
-            log.step(step, global_step, loss * args.accum_steps, scheduler.get_last_lr()[0])
+            samples += global_batch
+            log.step(step, global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
             profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
-                save(epoch, step + 1)
-            stop = torch.tensor([len(preempted)], device=device)
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # one number per step: all ranks stop after the same step
-            if stop.item():
-                if rank == 0:
-                    save(epoch + (step + 1 == steps_per_epoch), (step + 1) % steps_per_epoch)
-                    print(f"stopped by SIGTERM after step {global_step}: checkpoint saved; continue with "
-                          f"--resume auto --output-dir {output_dir}", flush=True)
-                sys.exit(143)  # 128 + SIGTERM, as if the signal had ended the process
-        start_step = 0
+                save(epoch, samples)
+            # Every rank stops after the same step: each step starts an all-reduce of the signal this rank has seen
+            # (0: none) and reads the one started a step earlier, finished by now, so the loop does not wait for it.
+            if voting is not None and voting.wait() and vote.item():
+                stop(epoch, samples, int(vote.item()))
+            vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
+            voting = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+        start_step, start_samples = 0, 0
+        if voting is not None and voting.wait() and vote.item():
+            stop(epoch, samples, int(vote.item()))  # after the epoch's last step: the resumed run evaluates it
+        voting = None
 
-        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device, stop_signal)
+        vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if vote.item():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
+            stop(epoch, samples, int(vote.item()))
         log.end_epoch(global_step, val_loss, val_acc, val_count)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
@@ -213,14 +252,20 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
+def evaluate(model, loader, device, stop_signal=()):
     """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
 
     Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
-    running a different number of evaluation batches."""
+    running a different number of evaluation batches. Returns early, with partial sums, once a stop signal came."""
+    # DDP copies rank 0's buffers to the other ranks only at the start of a training forward pass, so each rank's
+    # BatchNorm statistics still hold its own last batch: evaluate every slice with rank 0's, the ones it saves.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
-    for images, labels in loader:
+    for images, labels in utils.start_workers(loader):
+        if stop_signal:  # preempted: the caller saves within seconds instead of finishing the evaluation
+            break
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
@@ -229,7 +274,7 @@ def evaluate(model, loader, device):
         totals[2] += labels.numel()
     dist.all_reduce(totals)  # sum of the ranks' sums
     loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
+    return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
 
 if __name__ == "__main__":
@@ -247,10 +292,16 @@ if __name__ == "__main__":
             raise utils.UsageError(f"--accum-steps must be 1 or more, got {args.accum_steps}")
         main(args)
     except utils.UsageError as error:
-        # Every rank checks the same input, so rank 0 alone reports it; a bad image is known only where it was read.
-        if int(os.environ.get("RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
+        # Every rank checks the same input, so local rank 0 reports it, once per node (nodes may see different
+        # disks); a bad image is known only where it was read.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
             print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before training started (in training, main() stops cleanly)
+        sys.exit(130)
+    except Exception:  # e.g. another rank died mid-collective: end now, not when torchrun's SIGKILL comes 30 s later
+        traceback.print_exc()  # (an uncaught error would keep the loaders alive until exit, and Python's exit
+        sys.exit(1)  # handler would then wait forever for their workers, which ignore SIGTERM)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -20,6 +20,10 @@ import utils
 
 def main(args):
     start_time = time.time()
+    if "RANK" not in os.environ:
+        raise utils.UsageError("start this script with a launcher, which runs one process per device: bash run.sh"
+                               " launch [N], or python -m torch.distributed.launch --nproc-per-node=N "
+                               "train_ddp_launch.py")
     utils.check_args(args)
     device = utils.get_device(args.device)
     output_dir, resume = utils.resolve_run(args, __file__)
@@ -64,18 +68,24 @@ def main(args):
     lr = args.lr * global_batch / 256
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
                                 weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
+    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
-    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
+    start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
         model.module.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
             torch.set_rng_state(checkpoint["rng"])
-            start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
-            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
+            start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
+            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
+                       f"{len(train_sampler) * world_size} samples (at global batch {checkpoint['global_batch']})")
+    # Every rank must train on the same data from the same point (each node may read its own disk): compare.
+    utils.same_on_every_rank(classes=classes, training_images=len(train_samples),
+                             validation_images=len(val_samples), resume_point=(start_epoch, start_samples))
+    # The first step to run: the same samples are done whatever the world size and batch that did them, and this
+    # run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (len(train_sampler) * world_size - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
         print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
@@ -91,10 +101,10 @@ def main(args):
                                                            "val_count": val_count, "checkpoint": str(resume)})
         return
 
-    def save(epoch, step, is_best=False):
+    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                               "epoch": epoch, "step": step, "best_acc": best_acc,
+                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
     if rank == 0:
@@ -105,23 +115,26 @@ def main(args):
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
-        train_loader.sampler.start(epoch, skip=start_step * args.batch_size)
+        train_loader.sampler.start(epoch, start_samples)
         utils.train_mode(model, args.freeze)
         log.start_epoch(epoch, start_step)
+        samples = start_samples
         for step, (images, labels) in enumerate(train_loader, start=start_step):
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
             loss.backward()
+            global_step = epoch * steps_per_epoch + step + 1
+            for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
+                group["lr"] = lr * schedule(global_step - 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            global_step = epoch * steps_per_epoch + step + 1
-            log.step(step, global_step, loss, scheduler.get_last_lr()[0])
+            samples += global_batch
+            log.step(step, global_step, loss, optimizer.param_groups[0]["lr"])
             profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
-                save(epoch, step + 1)
-        start_step = 0
+                save(epoch, samples)
+        start_step, start_samples = 0, 0
 
         val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
         log.end_epoch(global_step, val_loss, val_acc, val_count)
@@ -151,6 +164,10 @@ def evaluate(model, loader, device):
 
     Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
     running a different number of evaluation batches."""
+    # DDP copies rank 0's buffers to the other ranks only at the start of a training forward pass, so each rank's
+    # BatchNorm statistics still hold its own last batch: evaluate every slice with rank 0's, the ones it saves.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
     for images, labels in loader:
@@ -168,16 +185,23 @@ def evaluate(model, loader, device):
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     # torch.distributed.launch passes --local-rank=N (torch >= 2.0) or --local_rank=N (older): accept both
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=0, help="set by the launcher")
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by the launcher (or LOCAL_RANK, under torchrun and --use-env)")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
     try:
         main(parser.parse_args())
     except utils.UsageError as error:
-        # Every rank checks the same input, so rank 0 alone reports it; a bad image is known only where it was read.
-        if int(os.environ.get("RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
+        # Every rank checks the same input, so local rank 0 reports it, once per node (nodes may see different
+        # disks); a bad image is known only where it was read.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
             print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line instead of a traceback from each
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
+                  "folder>", file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

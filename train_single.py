@@ -44,18 +44,21 @@ def main(args):
     lr = args.lr * global_batch / 256
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
                                 weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, utils.warmup_cosine(args.epochs * steps_per_epoch))
+    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
-    start_epoch, start_step, best_acc, resumed = 0, 0, -1.0, ""
+    start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
         model.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
             torch.set_rng_state(checkpoint["rng"])
-            start_epoch, start_step, best_acc = checkpoint["epoch"], checkpoint["step"], checkpoint["best_acc"]
-            resumed = f"\nresuming from {resume}: epoch {start_epoch + 1}, step {start_step}"
+            start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
+            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
+                       f"{len(train_sampler)} samples (at global batch {checkpoint['global_batch']})")
+    # The first step to run: the same samples are done whatever the batch size that did them, and this run's
+    # steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (len(train_sampler) - start_samples) // global_batch
     output_dir.mkdir(parents=True, exist_ok=True)
     print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
           f"{len(classes)} classes; output in {output_dir}\n"
@@ -69,10 +72,10 @@ def main(args):
                                                        "val_count": val_count, "checkpoint": str(resume)})
         return
 
-    def save(epoch, step, is_best=False):
+    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                               "epoch": epoch, "step": step, "best_acc": best_acc,
+                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
@@ -82,23 +85,26 @@ def main(args):
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)
-        train_loader.sampler.start(epoch, skip=start_step * args.batch_size)
+        train_loader.sampler.start(epoch, start_samples)
         utils.train_mode(model, args.freeze)
         log.start_epoch(epoch, start_step)
+        samples = start_samples
         for step, (images, labels) in enumerate(train_loader, start=start_step):
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
             loss.backward()
+            global_step = epoch * steps_per_epoch + step + 1
+            for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
+                group["lr"] = lr * schedule(global_step - 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            global_step = epoch * steps_per_epoch + step + 1
-            log.step(step, global_step, loss, scheduler.get_last_lr()[0])
+            samples += global_batch
+            log.step(step, global_step, loss, optimizer.param_groups[0]["lr"])
             profiler.step()
             if args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
-                save(epoch, step + 1)
-        start_step = 0
+                save(epoch, samples)
+        start_step, start_samples = 0, 0
 
         val_loss, val_acc, val_count = evaluate(model, val_loader, device)
         log.end_epoch(global_step, val_loss, val_acc, val_count)
@@ -141,3 +147,7 @@ if __name__ == "__main__":
         main(parser.parse_args())
     except utils.UsageError as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback; the last checkpoint is intact
+        print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
+              "folder>", file=sys.stderr)
+        sys.exit(130)

@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".
 DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
 DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
 
 # torch and torchvision, imported by now, live until the process exits: take their ~300,000 objects out of the garbage
 # collector's passes. That saves start-up time (a full pass over them took 0.16 s here) and keeps forked DataLoader
@@ -300,8 +302,13 @@ class EpochSampler(torch.utils.data.Sampler):
     def __init__(self, sampler):
         self.sampler, self.epoch, self.skip = sampler, 0, 0
 
-    def start(self, epoch, skip=0):
-        self.epoch, self.skip = epoch, skip
+    def start(self, epoch, samples=0):
+        """Start `epoch` after the first `samples` of its shuffled order, which a checkpoint had trained on.
+
+        A DistributedSampler gives rank r the positions r, r + W, r + 2W, ... of one order shared by W ranks, so
+        the samples already seen are the same whatever the number of processes and batch size that saw them."""
+        world_size, rank = getattr(self.sampler, "num_replicas", 1), getattr(self.sampler, "rank", 0)
+        self.epoch, self.skip = epoch, max(0, samples - rank + world_size - 1) // world_size
 
     def __iter__(self):
         for position, index in enumerate(self.sampler):
@@ -310,6 +317,28 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.sampler) - self.skip
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def ignore_stop_signals(worker_id):
+    """worker_init_fn for the scripts that stop cleanly on SIGTERM and Ctrl-C: these signals reach the loader
+    workers too (torchrun signals each rank's whole process group, SLURM every process of the job), and a worker
+    they end takes its rank down with it. The training process decides; workers still exit when it dies."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
+
+
+def start_workers(loader):
+    """iter(loader), with SIGTERM and Ctrl-C held back while it forks the loader workers: a signal that reached a
+    new worker before ignore_stop_signals() ran would end it. The held signal arrives right after."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def demo_data():
@@ -392,6 +421,11 @@ def warmup_cosine(total_steps):
 # ---------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(state, output_dir, is_best=False):
     """Write last.pt (and best.pt) atomically: a kill at any moment leaves the previous file intact."""
+    broken = [name for name, value in state["model"].items() if value.is_floating_point() and
+              not torch.isfinite(value).all()]
+    if broken:  # never replace a good checkpoint with a diverged one
+        raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
+                         f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}")
     atomic_write(output_dir / "last.pt", lambda f: torch.save(state, f))
     if is_best:
         atomic_write(output_dir / "best.pt", lambda f: f.write((output_dir / "last.pt").read_bytes()))
@@ -431,10 +465,28 @@ def load_checkpoint(path, model_name, classes):
     checkpoint = load_file(path, "--resume")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
         raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
+    if "samples" not in checkpoint:
+        raise UsageError(f"--resume {path}: written by an older version of these scripts, without its position in "
+                         f"the data; continue it with that version, or start from its weights with --weights")
     if checkpoint["args"]["model"] != model_name or checkpoint["classes"] != classes:
         raise UsageError(f"--resume {path} holds a {checkpoint['args']['model']} for {len(checkpoint['classes'])} "
                          f"classes, not a {model_name} for these {len(classes)}; pass the matching --model/--data-path")
     return checkpoint
+
+
+def same_on_every_rank(**facts):
+    """DDP scripts: stop on every rank, before training, if the ranks do not see the same data or resume point.
+
+    Each node reads its own --data-path and --output-dir: a copy that differs on one node would otherwise train on
+    mismatched samples, or hang when the ranks run different numbers of steps."""
+    import torch.distributed as dist
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, facts)
+    for rank, seen in enumerate(gathered):
+        for name, value in seen.items():
+            if value != gathered[0][name]:
+                raise UsageError(f"rank {rank} sees {name} {str(value)[:60]}, rank 0 sees {str(gathered[0][name])[:60]}"
+                                 f": every node needs the same --data-path contents and --output-dir (a shared disk)")
 
 
 # --------------------------------------------------------------------------------------------- logging
@@ -460,11 +512,16 @@ class Logger:
         """Call after each optimizer step; `step` counts from 0 within the epoch."""
         self.epoch_steps += 1
         self.step_end = now = time.perf_counter()
-        if not self.enabled or (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
+        if (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
+            return
+        loss = loss.item()  # the only host-device sync in the loop, once per print_freq steps, on every rank
+        if not math.isfinite(loss):  # every rank stops here: a diverged model has NaN weights on every rank
+            raise UsageError(f"the loss is {loss} at step {global_step} (lr {lr:.5g}): training diverged; "
+                             f"{DIVERGED_HINT}")
+        if not self.enabled:
             return
         img_per_s = (step + 1 - self.last_step) * self.global_batch / (now - self.last_time)
         eta = (now - self.epoch_start) / self.epoch_steps * (self.steps_per_epoch - step - 1)
-        loss = loss.item()  # the only host-device sync in the loop, once per print_freq steps
         print(f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
               f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s", flush=True)
         self.writer.add_scalar("train/loss", loss, global_step)

@@ -4,8 +4,10 @@ Other test files import these by name (`from conftest import REPO, FAST, run_scr
 signatures stable.
 """
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,118 @@ def tiny_data(tmp_path_factory):
     classes, train, val = utils.find_images(root, 0.25)
     assert classes == ["c0", "c1", "c2"] and len(train) == 50 and len(val) == 17, (len(train), len(val))
     return root
+
+
+# ------------------------------------------------------------------------------------- jobs started by run.sh
+# What a user runs, made small: default --workers, no --freeze (BatchNorm trains), 2 epochs of 3 steps
+DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]
+
+
+def job_env(**extra):
+    """A job's environment: one thread per process (2 processes share the 2 cores), unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, **extra)
+
+
+def run_sh(*args, timeout=150, env=None):
+    return subprocess.run(["bash", "run.sh", *map(str, args)], cwd=REPO, env=env or job_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def parent_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def descendants(pid):
+    """Every live process below pid, depth first."""
+    return [p for child in children(pid) for p in (child, *descendants(child))]
+
+
+def command(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ranks(job):
+    """{global rank: pid} of the training processes under a job started by run.sh."""
+    found = {}
+    for pid in descendants(job.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and "torch.distributed" in command(parent_of(pid)):  # not its loader workers
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+def start(*args, env=None):
+    """bash run.sh ARGS in a session of its own (so the test can signal its process group), output merged."""
+    return subprocess.Popen(["bash", "run.sh", *map(str, args)], cwd=REPO, env=env or job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def deliver(job, how, signum):
+    if how == "agent":  # what torchrun's own signal handling sees: the agent forwards it to each worker's group
+        agent = next(p for p in descendants(job.pid) if "torch.distributed.run" in command(p))
+        os.kill(agent, signum)
+    elif how == "group":  # a terminal's Ctrl-C: run.sh's foreground process group
+        os.killpg(job.pid, signum)
+    elif how == "every process":  # SLURM (scancel, preemption): every process of the job, loader workers too
+        for pid in [job.pid, *descendants(job.pid)]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def finish(job, lines, timeout):
+    try:
+        out, _ = job.communicate(timeout=timeout)
+        lines.append(out)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    return "".join(lines)
+
+
+def assert_gone(pids, within=15):
+    """No process of the job outlives it: loader workers end with their parent (PyTorch checks every 5 s)."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and parent_of(p) is not None]
+        alive = [p for p in alive if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes left behind: {[(p, command(p)[:80]) for p in alive]}")
+
+
+@pytest.fixture(scope="session")
+def default_runs(tiny_data, tmp_path_factory):
+    """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
+    out = tmp_path_factory.mktemp("defaults")
+    for mode in ("ddp", "amp"):
+        ok(run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / mode))
+    return out

@@ -1,0 +1,119 @@
+"""Stopping a run the way clusters and people do, with the settings a user gets: loader workers (the default
+--workers 2, persistent), BatchNorm in train mode, jobs started by run.sh, signals delivered to the torchrun agent
+(which forwards them with os.killpg), to every process of the job (SLURM's scancel and preemption), or to run.sh's
+process group (a terminal's Ctrl-C). Every claim ends with real weights compared to an uninterrupted run.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import (DEFAULTS, assert_gone, assert_same_weights, children, command, deliver, descendants, finish,
+                      job_env, load_model_state, ok, ranks, run_sh, start)
+
+@pytest.mark.parametrize("mode,how,signum", [("ddp", "agent", signal.SIGTERM),
+                                             ("ddp", "every process", signal.SIGTERM),
+                                             ("amp", "group", signal.SIGINT)])
+def test_stop_signal_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path, mode, how,
+                                                                      signum):
+    args = [mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+    job, lines, pids = start(*args), [], []
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 1/3" in line:
+            pids = descendants(job.pid)
+            assert len(pids) >= 6, [command(p) for p in pids]  # agent, 2 ranks, their loader workers
+            deliver(job, how, signum)
+            break
+    output = finish(job, lines, timeout=60)
+    name = signal.Signals(signum).name
+    assert job.returncode == 128 + signum, output[-3000:]
+    stops = [line for line in output.splitlines() if line.startswith("stopped by")]
+    assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), output[-3000:]
+    assert output.rstrip().splitlines()[-1] == stops[0], output[-3000:]  # the log ends with the scripts' own line
+    assert "Traceback" not in output, output[-3000:]
+    assert not (tmp_path / "run" / "results.json").exists()
+    assert_gone(pids)
+
+    resumed = ok(run_sh(*args, "--resume", "auto"))
+    assert "resuming from" in resumed.stdout
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
+                        load_model_state(default_runs / mode / "last.pt"))
+
+
+def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
+    """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated."""
+    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+    job, lines, landed = start(*args), [], False
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 3/3" in line:
+            training_workers = {pid: len(children(pid)) for pid in ranks(job).values()}  # 2 each
+            deadline = time.time() + 20
+            while not landed and time.time() < deadline:  # evaluation starts 2 more: signal while they run
+                landed = any(len(children(pid)) > n for pid, n in training_workers.items())
+            deliver(job, "every process", signal.SIGTERM)
+            break
+    output = finish(job, lines, timeout=60)
+    assert landed, "evaluation was never seen running"
+    assert job.returncode == 143, output[-3000:]
+    assert "epoch 1/2  val loss" not in output and output.count("stopped by SIGTERM after step 3") == 1, output[-3000:]
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 48)  # epoch 1 trained (3 x 16), not evaluated
+
+    resumed = ok(run_sh(*args, "--resume", "auto"))
+    assert "epoch 1/2  val loss" in resumed.stdout and "epoch 1/2  step" not in resumed.stdout
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
+                        load_model_state(default_runs / "ddp" / "last.pt"))
+    mine, reference = (torch.load(folder / "best.pt", weights_only=True) for folder in (tmp_path / "run",
+                                                                                      default_runs / "ddp"))
+    assert mine["best_acc"] == reference["best_acc"] and mine["epoch"] == reference["epoch"]
+
+
+def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):
+    """SIGKILL of one rank (out of memory, a node failure): the survivor must not sit out torchrun's 30 s."""
+    job, lines = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), []
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 1/3" in line:
+            pids = descendants(job.pid)
+            os.kill(ranks(job)[1], signal.SIGKILL)
+            killed = time.time()
+            break
+    output = finish(job, lines, timeout=60)
+    assert job.returncode != 0, output[-3000:]
+    assert time.time() - killed < 15, f"the job took {time.time() - killed:.1f} s to end"
+    assert_gone(pids)
+
+
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_runs, tiny_data,
+                                                                                         tmp_path):
+    env = job_env(TORCHRUN_ARGS="--max-restarts=1")
+    job, lines, killed = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
+                               "--output-dir", tmp_path / "run", env=env), [], False
+    for line in job.stdout:
+        lines.append(line)
+        if not killed and "epoch 1/2  step 2/3" in line:
+            os.kill(ranks(job)[0], signal.SIGKILL)
+            killed = True
+    output = finish(job, lines, timeout=120)
+    assert killed and job.returncode == 0, output[-3000:]
+    assert "resuming from" in output
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
+                        load_model_state(default_runs / "ddp" / "last.pt"))
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_data, tmp_path, mode):
+    args = [*DEFAULTS, "--data-path", tiny_data, "--lr", "1e6", "--save-every", "1", "--output-dir", tmp_path / "run"]
+    proc = run_sh(mode, *([2] if mode == "ddp" else []), *args)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(errors) == 1 and "diverged" in errors[0] and "--lr" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr  # (torchrun's own summary may follow)
+    for name in ("last.pt", "best.pt"):
+        if (tmp_path / "run" / name).exists():
+            state = load_model_state(tmp_path / "run" / name)
+            assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), name
