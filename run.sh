@@ -98,7 +98,7 @@ mkfifo "$tmp/stderr"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
 (trap '' INT TERM; exec "$PYTHON" -u -c '
 import re, sys
-held, log = [], open(sys.argv[1], "w")
+held, dropped, log = [], False, open(sys.argv[1], "w")
 for line in iter(sys.stdin.readline, ""):
     log.write(line)
     log.flush()
@@ -106,10 +106,12 @@ for line in iter(sys.stdin.readline, ""):
         held.append(line)
         continue
     if held and re.match(r"torch\S*SignalException: Process \d+ got signal: \d+$", line):
-        held = []  # the agent reporting the signal that stopped it: the scripts have said so already
+        held, dropped = [], True  # the agent reporting the signal that stopped it: the scripts said so already
         continue
+    if dropped and (not line.strip() or line.startswith("During handling of the above exception")):
+        continue  # a second signal during the shutdown of the agent chains a second such traceback
     sys.stderr.writelines(held)
-    held = [line] if line.startswith("Traceback (most recent call last):") else []
+    held, dropped = ([line] if line.startswith("Traceback (most recent call last):") else []), False
     if not held:
         sys.stderr.write(line)
 sys.stderr.writelines(held)' "$log" <"$tmp/stderr") &

@@ -33,8 +33,6 @@ def main(args):
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp_dtype]
     if amp_dtype == torch.float16 and device.type != "cuda":
         raise utils.UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
-    if amp_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise utils.UsageError("this GPU has no bf16 support; use --amp-dtype fp16")
     # torchrun --max-restarts reruns this same command after a failure; the new processes continue from the last
     # checkpoint, so the output folder must be the same for every attempt: the run id is. Whether to resume is
     # decided by the checkpoint's run id, not by TORCHELASTIC_RESTART_COUNT: each node's agent counts only its own
@@ -56,6 +54,9 @@ def main(args):
                                    f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        # After set_device (else every rank opens a context on GPU 0); emulated bf16 (V100, T4) is slow, not support
+        if amp_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise utils.UsageError("this GPU has no native bf16 support; use --amp-dtype fp16")
     # By default torchrun's agent serves one store (MASTER_ADDR:MASTER_PORT) for every attempt of the job, and
     # torch 2.14 gives no attempt keys of its own: a restarted group can read the dead group's and fail ("Gloo
     # connectFullMesh failed", or a hang; 4 of 5 restarts here). run.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:

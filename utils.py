@@ -112,6 +112,8 @@ def get_device(requested):
         raise UsageError(f"--device {requested}: this machine has no usable CUDA GPU; use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    if device.index is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # else pinned-memory threads and the profiler work on GPU 0
     return device
 
 

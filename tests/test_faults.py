@@ -50,7 +50,7 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
     assert len(errors) == 1 and "cannot write" in errors[0] and "last.pt" in errors[0], proc.stderr[-3000:]
     assert time.time() - started < 60
     checkpoint = torch.load(small_disk / "run" / "last.pt", weights_only=True)  # the first one, intact
-    assert (checkpoint["epoch"], checkpoint["step"]) == (0, 1)
+    assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 16)  # after step 1 of 2 processes x 8
     assert sorted(p.name for p in (small_disk / "run").glob(".*tmp")) == []
 
 
