@@ -161,8 +161,7 @@ def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
             proc.wait()
 
 
-@pytest.mark.parametrize("script,victim", [("train_ddp_torchrun.py", 0), ("train_ddp_torchrun.py", -1),
-                                           ("train_ddp_amp.py", -1)])
+@pytest.mark.parametrize("script,victim", [("train_ddp_torchrun.py", -1), ("train_ddp_amp.py", -1)])
 def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(runs, tiny_data, bare, tmp_path, script,
                                                                     victim):
     args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2"]
@@ -180,32 +179,6 @@ def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(runs, tiny_
     assert resumed.endswith(("epoch 1 after 32 of its 50 samples (at global batch 16)",
                              "epoch 2 after 0 of its 50 samples (at global batch 16)")), resumed
     assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), load_model_state(reference / "last.pt"))
-
-
-def test_sigterm_saves_and_resume_auto_ends_with_uninterrupted_weights(runs, tiny_data, bare, tmp_path):
-    """What a scheduler does before preemption: SIGTERM to the torchrun agent, which forwards it to the workers."""
-    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / "run"]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "train_ddp_torchrun.py", *map(str, args)], cwd=bare, env=env_1_thread(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "epoch 1/2  step 1/3" in line:
-                proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    stdout = "".join(lines)
-    assert proc.returncode != 0  # interrupted, not finished
-    assert stdout.count("stopped by SIGTERM after step") == 1, stdout[-3000:]
-    assert not (tmp_path / "run" / "results.json").exists()
-    resumed = ok(torchrun(bare, 2, "train_ddp_torchrun.py", *args, "--resume", "auto"))
-    assert "resuming from" in resumed.stdout
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(runs["dir"] / "ddp" / "last.pt"))
 
 
 def test_amp_bf16_on_cpu_trains_and_checkpoints_the_scaler(tiny_data, bare, tmp_path):
