@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import utils
@@ -98,20 +98,16 @@ def main(args):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
         print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
-    # Shard each residual block, then the root (stem, head): each rank keeps 1/world_size of every block's weights
-    # and all-gathers a block just before it runs; gradients are reduce-scattered so each rank gets its shard's.
-    # Unlike DDP nothing is copied from rank 0: every rank built the same weights from the same seed.
-    for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
-        for block in layer:
-            fully_shard(block)
-    fully_shard(model)
+    # Shard each residual block, then the root (what is left: stem and head). Each rank keeps 1/world_size of the
+    # weights, all-gathers a block just before it runs and frees it after; gradients are reduce-scattered, each rank
+    # receiving its shard's. Unlike DDP nothing is copied from rank 0: every rank built the same weights (same seed).
     reduce_scatters = ReduceScatterCounter()  # to show that accumulation reduces on the last micro-step only
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(reduce_scatters)
+    for module in [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]:
+        fully_shard(module).set_custom_reduce_scatter(reduce_scatters)
+    fully_shard(model).set_custom_reduce_scatter(reduce_scatters)
 
-    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch. The parameters are
-    # DTensors now: the optimizer state (momentum) is created for the local shards only.
+    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
+    # The parameters are DTensors now: the optimizer keeps its state (momentum) for the local shards only.
     global_batch = args.batch_size * world_size * args.accum_steps
     lr = args.lr * global_batch / 256
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
@@ -124,9 +120,8 @@ def main(args):
         sharded = resume.parent / str(checkpoint["optimizer"])  # our last.pt names its sharded folder
         if args.test_only:  # the plain weights, from any script: each rank keeps its shard of them
             set_model_state_dict(model, checkpoint["model"], options=StateDictOptions(full_state_dict=True))
-        elif not isinstance(checkpoint["optimizer"], str) or not sharded.is_dir():
-            raise utils.UsageError(f"--resume {resume}: no sharded model and optimizer state beside it (written by "
-                                   f"another script, or a best.pt); resume from last.pt, or start with --weights")
+        elif not isinstance(checkpoint["optimizer"], str) or not sharded.is_dir():  # another script's, or a best.pt
+            raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
         else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
             dcp.load(state, checkpoint_id=sharded)
@@ -164,19 +159,17 @@ def main(args):
         # then rank 0 writes last.pt: the full weights gathered (a plain state dict) and the name of that folder.
         sharded, partial = f"last-step{global_step}.dcp", output_dir / f".last-step{global_step}.dcp.tmp"
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=partial)
-        if rank == 0 and (output_dir / sharded).is_dir():  # this step was saved already (stop, then epoch end)
-            shutil.rmtree(partial)
-        elif rank == 0:
-            os.replace(partial, output_dir / sharded)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            utils.save_checkpoint({"model": full, "optimizer": sharded,
-                                   "rng": torch.get_rng_state(), "epoch": epoch, "samples": samples,
-                                   "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
-                                   "args": vars(args), "classes": classes}, output_dir, is_best)
-            for old in output_dir.glob("last-step*.dcp"):  # last.pt names the new folder now
-                if old.name != sharded:
-                    shutil.rmtree(old)
+        if rank > 0:
+            return
+        if not (output_dir / sharded).is_dir():  # else this step is saved already (a stop, then the epoch's end)
+            os.replace(partial, output_dir / sharded)
+        utils.save_checkpoint({"model": full, "optimizer": sharded,
+                               "rng": torch.get_rng_state(), "epoch": epoch, "samples": samples,
+                               "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
+                               "args": vars(args), "classes": classes}, output_dir, is_best)
+        for old in set(output_dir.glob("*last-step*.dcp*")) - {output_dir / sharded}:  # last.pt names the new one
+            shutil.rmtree(old)
 
     if rank == 0:
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
@@ -261,12 +254,13 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "reduce_scatters": reduce_scatters.count,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
                "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               "bytes_per_rank": memory, "world_size": world_size}
+               "reduce_scatters": reduce_scatters.count, "bytes_per_rank": memory, "world_size": world_size}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s, {reduce_scatters.count} gradient reduce-scatters (sharded modules x optimizer steps)\n"
+          f"{results['train_img_per_s']:.1f} img/s, {reduce_scatters.count} gradient reduce-scatters "
+          f"(sharded modules x optimizer steps)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
@@ -275,10 +269,10 @@ def main(args):
 def evaluate(model, loader, device, stop_signal=()):
     """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
 
-    Every rank runs as many forward passes (each all-gathers the weights) as the rank with the most batches, an
-    empty batch when its own slice is done. Returns early on every rank, with partial sums, once a stop signal came."""
-    # FSDP never syncs buffers (DDP copies rank 0's at each training forward): each rank's BatchNorm statistics
-    # hold its own batches. Evaluate every slice with rank 0's, the ones saved.
+    Every forward all-gathers weights: every rank runs as many as the rank with the most batches (an empty batch
+    when its own slice is done), and all return early, with partial sums, once a stop signal came to any."""
+    # FSDP never syncs buffers (DDP copies rank 0's at each training forward pass), so each rank's BatchNorm
+    # statistics hold its own batches: evaluate every slice with rank 0's, the ones saved.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
@@ -286,11 +280,11 @@ def evaluate(model, loader, device, stop_signal=()):
     batches, size = utils.start_workers(loader), loader.dataset.dataset.img_size
     while True:
         batch = next(batches, None)
-        more = torch.tensor([batch is not None, len(stop_signal) > 0], device=device)  # preempted: save within
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)  # seconds instead of finishing the evaluation, all ranks at once
+        more = torch.tensor([batch is not None, len(stop_signal) > 0], device=device)  # preempted: the caller
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)  # saves within seconds instead of finishing the evaluation
         if not more[0] or more[1]:
             break
-        images, labels = batch or (torch.zeros(0, 3, size, size, dtype=torch.uint8), torch.zeros(0, dtype=torch.long))
+        images, labels = batch or (torch.zeros(0, 3, size, size, dtype=torch.uint8), torch.zeros(0, dtype=int))
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
