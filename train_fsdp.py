@@ -118,14 +118,14 @@ def main(args):
     start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, args.model, classes)
-        sharded = resume.parent / str(checkpoint["optimizer"])  # our last.pt names its sharded folder
+        sharded = checkpoint["optimizer"]  # our last.pt names the folder of its shards (other scripts': the state)
         if args.test_only:  # the plain weights, from any script: each rank keeps its shard of them
             set_model_state_dict(model, checkpoint["model"], options=StateDictOptions(full_state_dict=True))
-        elif not isinstance(checkpoint["optimizer"], str) or not sharded.is_dir():  # another script's, or a best.pt
+        elif not isinstance(sharded, str) or not (resume.parent / sharded).is_dir():  # another script's, or best.pt
             raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
         else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            dcp.load(state, checkpoint_id=sharded)
+            dcp.load(state, checkpoint_id=resume.parent / sharded)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]

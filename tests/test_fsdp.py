@@ -86,6 +86,16 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
 
 
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data, bare, tmp_path):
+    """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
+    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["dir"] / "single" / "last.pt",
+                    "--output-dir", tmp_path / "out")
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
+    assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
+
+
 def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, tiny_data, bare, tmp_path):
     """2 x batch 4 x 2 micro-steps == 2 x batch 8: the same weights, and as many reduce-scatters, not twice as many.
     With --freeze only the root module (the head) has gradients: one reduce-scatter per optimizer step."""
