@@ -4,7 +4,6 @@ Most runs use a folder holding only train_fsdp.py, train_single.py and utils.py 
 test_ddp.py, --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
 import json
-import os
 import shutil
 import signal
 import subprocess
