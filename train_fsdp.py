@@ -281,7 +281,7 @@ def evaluate(model, loader, device, stop_signal=()):
     batches, size = utils.start_workers(loader), loader.dataset.dataset.img_size
     while True:
         batch = next(batches, None)
-        more = torch.tensor([batch is not None, len(stop_signal) > 0], device=device)  # preempted: the caller
+        more = torch.tensor([batch is not None, len(stop_signal)], device=device)  # int64; preempted: the caller
         dist.all_reduce(more, op=dist.ReduceOp.MAX)  # saves within seconds instead of finishing the evaluation
         if not more[0] or more[1]:
             break
