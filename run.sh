@@ -11,6 +11,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   launch [N]      train_ddp_launch.py under python -m torch.distributed.launch, N processes
   ddp [N]         train_ddp_torchrun.py under torchrun, N processes per node
   amp [N]         train_ddp_amp.py (mixed precision) under torchrun, N processes per node
+  fsdp [N]        train_fsdp.py (sharded model, FSDP2) under torchrun, N processes per node
   bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   test            the test suite (pytest)
@@ -22,7 +23,7 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|bench|doctor|test) shift ;;
+  single|dp|launch|ddp|amp|fsdp|bench|doctor|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -85,6 +86,7 @@ case "$mode" in
   launch) cmd=("$PYTHON" -m torch.distributed.launch) script=train_ddp_launch.py ;;
   ddp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_torchrun.py ;;
   amp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_amp.py ;;
+  fsdp) cmd=("$PYTHON" -m torch.distributed.run) script=train_fsdp.py ;;
 esac
 
 # Run the launcher as a child in a process group of its own, and pass SIGTERM and Ctrl-C on to it exactly once

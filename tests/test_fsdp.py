@@ -1,0 +1,207 @@
+"""train_fsdp.py (FSDP2, fully_shard) proven on CPU with real torchrun processes over gloo.
+
+Most runs use a folder holding only train_fsdp.py, train_single.py and utils.py (the copy-out case). As in
+test_ddp.py, --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
+"""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+import utils
+from conftest import (DEFAULTS, REPO, assert_same_weights, deliver, finish, job_env, load_model_state, ok, run_sh,
+                      run_script, start)
+from test_ddp import run_and_kill_one_worker
+
+TOL = 1e-5  # see test_ddp.py
+COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
+          "--freeze"]
+
+
+def torchrun(cwd, nproc, *args, extra=(), timeout=150):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           *extra, "train_fsdp.py", *map(str, args)], cwd=cwd, env=job_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def results(folder):
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """An empty folder with only the scripts it needs and utils.py copied in: what a user copies into a project."""
+    folder = tmp_path_factory.mktemp("bare")
+    for name in ("train_fsdp.py", "train_single.py", "utils.py"):
+        shutil.copy(REPO / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, bare, tmp_path_factory):
+    """The references: one process with batch 16, and FSDP with 2 processes x batch 8."""
+    out = tmp_path_factory.mktemp("fsdp")
+    data = ["--data-path", tiny_data]
+    ok(run_script(bare / "train_single.py", *COMMON, *data, "-b", "16", "--output-dir", out / "single", cwd=bare,
+                  env=job_env()))
+    fsdp = ok(torchrun(bare, 2, *COMMON, *data, "-b", "8", "--output-dir", out / "fsdp"))
+    return {"dir": out, "fsdp": fsdp}
+
+
+def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
+    out = runs["dir"]
+    assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"].stdout
+    assert runs["fsdp"].stdout.count("epoch 2/2  step 3/3") == 1  # only global rank 0 prints
+    assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(out / "single" / "last.pt"),
+                        atol=TOL)
+    assert results(out / "fsdp")["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
+    # The layout: plain last.pt and best.pt, and one sharded folder, the one last.pt names; nothing half-written
+    for name in ("last.pt", "best.pt"):
+        torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(out / "fsdp" / name))
+    checkpoint = torch.load(out / "fsdp" / "last.pt", weights_only=True)
+    assert sorted(p.name for p in (out / "fsdp").iterdir() if "dcp" in p.name) == [checkpoint["optimizer"]]
+    assert checkpoint["optimizer"] == "last-step6.dcp" and (checkpoint["epoch"], checkpoint["samples"]) == (2, 0)
+
+
+def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
+    """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
+    all-gathers in every forward), and every image is counted once."""
+    common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
+              "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
+    evaluated = {}
+    for nproc in (1, 2, 3):
+        ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
+        evaluated[nproc] = results(tmp_path / str(nproc))
+    trained = results(runs["dir"] / "fsdp")
+    for nproc, figures in evaluated.items():
+        assert figures["val_count"] == 17, (nproc, figures)
+        assert figures["val_acc"] == evaluated[1]["val_acc"] == trained["final_acc"], (nproc, figures)
+        assert figures["val_loss"] == pytest.approx(evaluated[1]["val_loss"], rel=1e-6), nproc
+        assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
+
+
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data, bare, tmp_path):
+    """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
+    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["dir"] / "single" / "last.pt",
+                    "--output-dir", tmp_path / "out")
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
+    assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
+
+
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, tiny_data, bare, tmp_path):
+    """2 x batch 4 x 2 micro-steps == 2 x batch 8: the same weights, and as many reduce-scatters, not twice as many.
+    With --freeze only the root module (the head) has gradients: one reduce-scatter per optimizer step."""
+    ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "4", "--accum-steps", "2",
+                "--output-dir", tmp_path / "accum"))
+    assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
+                        load_model_state(runs["dir"] / "fsdp" / "last.pt"), atol=TOL)
+    assert results(tmp_path / "accum")["reduce_scatters"] == results(runs["dir"] / "fsdp")["reduce_scatters"] == 6
+
+
+def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, tiny_data, bare,
+                                                                                       tmp_path):
+    """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp): the sharded checkpoint continues at 3
+    processes from the same sample with the LR of the new global batch, and at 2 processes to the uninterrupted
+    weights bit for bit (same ranks, batches and summation order; DCP restores every parameter and momentum exactly,
+    and with --freeze the BatchNorm statistics never change)."""
+    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "1"]
+    job, lines = start("fsdp", 2, *args, "--output-dir", tmp_path / "two"), []
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 2/3" in line:  # step 1 is saved by now, step 2 may be too
+            deliver(job, "every process", signal.SIGKILL)
+            break
+    finish(job, lines, timeout=60)
+    checkpoint = torch.load(tmp_path / "two" / "last.pt", weights_only=True)
+    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
+    assert (tmp_path / "two" / checkpoint["optimizer"] / ".metadata").is_file()
+    shutil.copytree(tmp_path / "two", tmp_path / "saved")
+
+    three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
+                        tmp_path / "three"))
+    assert f"epoch 1 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
+    assert "lr 0.1 x 24/256 = 0.009375" in three.stdout
+    first = next(line for line in three.stdout.splitlines() if "  step " in line)  # as in test_scale.py
+    epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
+    expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
+    assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
+
+    ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
+    assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
+                        load_model_state(runs["dir"] / "fsdp" / "last.pt"))
+
+
+def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_data, bare, tmp_path):
+    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
+    stdout, code, killed = run_and_kill_one_worker(bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3",
+                                                   victim=-1)
+    assert killed, "the run ended before a worker could be killed"
+    assert code == 0, stdout[-4000:]
+    resumed = stdout.split("resuming from")[1].splitlines()[0]
+    assert resumed.endswith(("epoch 1 after 32 of its 50 samples (at global batch 16)",
+                             "epoch 2 after 0 of its 50 samples (at global batch 16)")), resumed
+    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"),
+                        load_model_state(runs["dir"] / "fsdp" / "last.pt"))
+
+
+@pytest.fixture(scope="module")
+def trained_bn(tiny_data, tmp_path_factory):
+    """What a user runs: bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
+    out = tmp_path_factory.mktemp("bn") / "run"
+    ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out))
+    return out
+
+
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):
+    """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
+    the logged figure is what --test-only measures on last.pt."""
+    ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size",
+                "32", "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
+    logged, evaluated = results(trained_bn), results(tmp_path / "eval")
+    assert evaluated["val_count"] == logged["val_count"] == 17
+    assert evaluated["val_acc"] == logged["final_acc"]
+    assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
+
+
+def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):
+    args = ["fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+    job, lines = start(*args), []
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 1/3" in line:
+            deliver(job, "agent", signal.SIGTERM)
+            break
+    output = finish(job, lines, timeout=60)
+    assert job.returncode == 143, output[-3000:]
+    assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
+    assert not (tmp_path / "run" / "results.json").exists()
+    resumed = ok(run_sh(*args, "--resume", "auto"))
+    assert "resuming from" in resumed.stdout
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
+
+
+def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data, tmp_path):
+    """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
+    (BatchNorm training: every parameter has a gradient and a momentum buffer)."""
+    args = ["--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--val-fraction",
+            "0.25", "--data-path", tiny_data]
+    per_rank = {2: results(trained_bn)["bytes_per_rank"]}
+    for nproc in (1, 3):
+        ok(torchrun(REPO, nproc, *args, "--output-dir", tmp_path / str(nproc)))
+        per_rank[nproc] = results(tmp_path / str(nproc))["bytes_per_rank"]
+    whole = per_rank[1]
+    assert whole["params"] == whole["grads"] == whole["optimizer"] == 4 * sum(
+        p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
+    for nproc, figures in per_rank.items():
+        for name, size in figures.items():
+            # rank 0's shard: a dim-0 chunk, rounded up (64 rows on 3 ranks: 22, 22, 20)
+            assert whole[name] / nproc <= size <= 1.1 * whole[name] / nproc, (nproc, name, size, whole[name])
+    print({nproc: {name: f"{size / 2**20:.1f} MiB" for name, size in figures.items()}
+           for nproc, figures in sorted(per_rank.items())})

@@ -1,0 +1,339 @@
+"""Train a torchvision ResNet image classifier with FSDP2 (fully_shard) under torchrun.
+
+train_ddp_torchrun.py with the model sharded instead of replicated: each process holds 1/N of the parameters,
+gradients and optimizer state, and all-gathers a residual block's weights only while it runs. Checkpoints are
+sharded (torch.distributed.checkpoint) and resume at any number of processes. Mixed precision: train_ddp_amp.py.
+    torchrun --standalone --nproc-per-node=2 train_fsdp.py
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 train_fsdp.py --save-every 100
+"""
+import gc
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import utils
+
+
+def main(args):
+    start_time = time.time()
+    if "RANK" not in os.environ:
+        raise utils.UsageError("start this script with torchrun, which runs one process per device: "
+                               "bash run.sh fsdp [N], or torchrun --standalone --nproc-per-node=N train_fsdp.py")
+    utils.check_args(args)
+    device = utils.get_device(args.device)
+    # torchrun --max-restarts reruns this same command after a failure; the new processes continue from the last
+    # checkpoint, so the output folder must be the same for every attempt: the run id is. Whether to resume is
+    # decided by the checkpoint's run id, not by TORCHELASTIC_RESTART_COUNT: each node's agent counts only its own
+    # failures, and a node restarted because another one failed (or a replacement node) still says 0.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        args.output_dir = args.output_dir or f"runs/{Path(__file__).stem}-{run_id}"
+        last = Path(args.output_dir) / "last.pt"
+        if last.exists() and utils.load_file(last, "--resume").get("run_id") == run_id:
+            args.resume = "auto"
+    output_dir, resume = utils.resolve_run(args, __file__)
+
+    # DDP: one process per device. torchrun's environment tells each process its ranks and the master's address.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # the process's index on its node: which GPU it drives
+    if device.type == "cuda":
+        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
+            raise utils.UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    # By default torchrun's agent serves one store (MASTER_ADDR:MASTER_PORT) for every attempt of the job, and
+    # torch 2.14 gives no attempt keys of its own: a restarted group can read the dead group's and fail ("Gloo
+    # connectFullMesh failed", or a hang; 4 of 5 restarts here). run.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    # rank 0 then serves a fresh store for each attempt. With the shared store, a key prefix per restart works on
+    # one node only, since each agent counts its own restarts (torch/distributed/elastic/agent/server/api.py).
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
+            raise utils.UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                                   "environment (run.sh sets it), or the restarted nodes may never meet again")
+        store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=args.dist_timeout)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
+                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
+
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
+    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
+    # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
+    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
+                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
+                              persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
+    # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
+    val_set = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+                            worker_init_fn=utils.ignore_stop_signals)
+    steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
+    if steps_per_epoch == 0 and not args.test_only:
+        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
+                               f"training images per process ({len(train_loader.sampler)}); lower either")
+
+    # Model
+    torch.manual_seed(args.seed)
+    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    if args.sync_bn and device.type == "cuda":
+        # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn and rank == 0:
+        print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
+    # Shard each residual block, then the root (what is left: stem and head). Each rank keeps 1/world_size of the
+    # weights, all-gathers a block just before it runs and frees it after; gradients are reduce-scattered, each rank
+    # receiving its shard's. Unlike DDP nothing is copied from rank 0: every rank built the same weights (same seed).
+    reduce_scatters = ReduceScatterCounter()  # to show that accumulation reduces on the last micro-step only
+    for module in [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]:
+        fully_shard(module).set_custom_reduce_scatter(reduce_scatters)
+    fully_shard(model).set_custom_reduce_scatter(reduce_scatters)
+
+    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
+    # The parameters are DTensors now: the optimizer keeps its state (momentum) for the local shards only.
+    global_batch = args.batch_size * world_size * args.accum_steps
+    lr = args.lr * global_batch / 256
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
+                                weight_decay=1e-4)
+    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
+
+    start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
+    if resume:
+        checkpoint = utils.load_checkpoint(resume, args.model, classes)
+        sharded = checkpoint["optimizer"]  # our last.pt names the folder of its shards (other scripts': the state)
+        if args.test_only:  # the plain weights, from any script: each rank keeps its shard of them
+            set_model_state_dict(model, checkpoint["model"], options=StateDictOptions(full_state_dict=True))
+        elif not isinstance(sharded, str) or not (resume.parent / sharded).is_dir():  # another script's, or best.pt
+            raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
+        else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
+            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+            dcp.load(state, checkpoint_id=resume.parent / sharded)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            torch.set_rng_state(checkpoint["rng"])
+            start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
+            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
+                       f"{len(train_sampler) * world_size} samples (at global batch {checkpoint['global_batch']})")
+    # Every rank must train on the same data from the same point (each node may read its own disk): compare.
+    utils.same_on_every_rank(classes=classes, training_images=len(train_samples),
+                             validation_images=len(val_samples), resume_point=(start_epoch, start_samples))
+    # The first step to run: the same samples are done whatever the world size and batch that did them, and this
+    # run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (len(train_sampler) * world_size - start_samples) // global_batch
+    if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+              f"{len(classes)} classes; output in {output_dir}\n"
+              f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
+              f"{args.accum_steps} accumulation steps; "
+              f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
+
+    if args.test_only:
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        if rank == 0:
+            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
+            utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
+                                                           "val_count": val_count, "checkpoint": str(resume)})
+        return
+
+    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
+        for buffer in model.buffers():  # FSDP never syncs buffers: save rank 0's BatchNorm statistics on every rank
+            dist.broadcast(buffer, src=0)
+        # Every rank writes its shards (model and optimizer) into a new folder, renamed into place when complete;
+        # then rank 0 writes last.pt: the full weights gathered (a plain state dict) and the name of that folder.
+        sharded, partial = f"last-step{global_step}.dcp", output_dir / f".last-step{global_step}.dcp.tmp"
+        dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=partial)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank > 0:
+            return
+        if not (output_dir / sharded).is_dir():  # else this step is saved already (a stop, then the epoch's end)
+            os.replace(partial, output_dir / sharded)
+        utils.save_checkpoint({"model": full, "optimizer": sharded,
+                               "rng": torch.get_rng_state(), "epoch": epoch, "samples": samples,
+                               "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
+                               "args": vars(args), "classes": classes}, output_dir, is_best)
+        for old in set(output_dir.glob("*last-step*.dcp*")) - {output_dir / sharded}:  # last.pt names the new one
+            shutil.rmtree(old)
+
+    if rank == 0:
+        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
+    # Preemption: SLURM and cloud schedulers send SIGTERM, then SIGKILL after a grace period; Ctrl-C sends SIGINT.
+    # torchrun forwards them to every worker (SLURM and a terminal reach every process of the job themselves).
+    # Note the signal; every rank then stops after the same step, rank 0 saves, and --resume auto continues.
+    stop_signal = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop_signal.append(signum))
+
+    def stop(epoch, samples, vote):
+        save(epoch, samples)  # every rank: each writes its shards
+        if rank == 0:
+            print(f"stopped by {signal.Signals(vote).name} after step {global_step}: checkpoint saved; continue "
+                  f"with --resume auto --output-dir {output_dir}", flush=True)
+        sys.exit(128 + vote)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+
+    log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
+                       purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
+    profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
+    val_acc, global_step, vote, voting = None, start_epoch * steps_per_epoch + start_step, None, None
+    memory = None  # bytes of parameters, gradients and optimizer state held by this rank, after the first step
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
+        train_loader.sampler.start(epoch, start_samples)
+        utils.train_mode(model, args.freeze)
+        log.start_epoch(epoch, start_step)
+        samples = start_samples
+        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        for micro_step, (images, labels) in enumerate(batches, start=start_step * args.accum_steps):
+            step, micro = divmod(micro_step, args.accum_steps)
+            last_micro = micro == args.accum_steps - 1
+            if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
+                break
+            images = utils.normalize(images.to(device, non_blocking=True))
+            labels = labels.to(device, non_blocking=True)
+            # Accumulate: reduce-scatter only on the last micro-step; before it, each rank sums its full gradients.
+            model.set_requires_gradient_sync(last_micro)
+            loss = F.cross_entropy(model(images), labels) / args.accum_steps
+            loss.backward()
+            if not last_micro:
+                continue
+            global_step = epoch * steps_per_epoch + step + 1
+            for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
+                group["lr"] = lr * schedule(global_step - 1)
+            optimizer.step()
+            if memory is None:  # what sharding saves: the local shards of every parameter, gradient and state
+                memory = {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
+                    ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
+                    ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+            optimizer.zero_grad(set_to_none=True)
+            samples += global_batch
+            log.step(step, global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
+            profiler.step()
+            if args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
+                save(epoch, samples)
+            # Every rank stops after the same step: each step starts an all-reduce of the signal this rank has seen
+            # (0: none) and reads the one started a step earlier, finished by now, so the loop does not wait for it.
+            if voting is not None and voting.wait() and vote.item():
+                stop(epoch, samples, int(vote.item()))
+            vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
+            voting = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+        start_step, start_samples = 0, 0
+        if voting is not None and voting.wait() and vote.item():
+            stop(epoch, samples, int(vote.item()))  # after the epoch's last step: the resumed run evaluates it
+        voting = None
+
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device, stop_signal)
+        vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if vote.item():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
+            stop(epoch, samples, int(vote.item()))
+        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        is_best = val_acc > best_acc
+        best_acc = max(best_acc, val_acc)
+        save(epoch + 1, 0, is_best)
+    log.close()
+    profiler.close()
+
+    if val_acc is None:  # the checkpoint had finished training already
+        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+    if rank > 0:
+        return
+    results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               "reduce_scatters": reduce_scatters.count, "bytes_per_rank": memory, "world_size": world_size}
+    utils.write_json(output_dir / "results.json", results)
+    print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
+          f"{results['train_img_per_s']:.1f} img/s, {reduce_scatters.count} gradient reduce-scatters "
+          f"(sharded modules x optimizer steps)\n"
+          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
+          f"view them with: tensorboard --logdir {output_dir.parent}")
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, stop_signal=()):
+    """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
+
+    Every forward all-gathers weights: every rank runs as many as the rank with the most batches (an empty batch
+    when its own slice is done), and all return early, with partial sums, once a stop signal came to any."""
+    # FSDP never syncs buffers (DDP copies rank 0's at each training forward pass), so each rank's BatchNorm
+    # statistics hold its own batches: evaluate every slice with rank 0's, the ones saved.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    batches, size = utils.start_workers(loader), loader.dataset.dataset.img_size
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([batch is not None, len(stop_signal)], device=device)  # int64; preempted: the caller
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)  # saves within seconds instead of finishing the evaluation
+        if not more[0] or more[1]:
+            break
+        images, labels = batch or (torch.zeros(0, 3, size, size, dtype=torch.uint8), torch.zeros(0, dtype=int))
+        images = utils.normalize(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += labels.numel()
+    dist.all_reduce(totals)  # sum of the ranks' sums
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+
+
+class ReduceScatterCounter:
+    """FSDP's reduce-scatter (set_custom_reduce_scatter's interface), counting its calls."""
+    count = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.count += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+if __name__ == "__main__":
+    parser = utils.get_args_parser(__doc__.splitlines()[0])
+    parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--dist-timeout", type=int, default=300,
+                        help="seconds a collective waits for a missing rank before the job fails instead of hanging")
+    try:
+        args = parser.parse_args()
+        if args.accum_steps < 1:
+            raise utils.UsageError(f"--accum-steps must be 1 or more, got {args.accum_steps}")
+        main(args)
+    except utils.UsageError as error:
+        # Every rank checks the same input, so local rank 0 reports it, once per node (nodes may see different
+        # disks); a bad image is known only where it was read.
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before training started (in training, main() stops cleanly)
+        sys.exit(130)
+    except Exception:  # e.g. another rank died mid-collective: end now, not when torchrun's SIGKILL comes 30 s later
+        traceback.print_exc()  # (an uncaught error would keep the loaders alive until exit, and Python's exit
+        sys.exit(1)  # handler would then wait forever for their workers, which ignore SIGTERM)
+    finally:
+        if dist.is_initialized():
+            # FSDP's hooks hold the modules, and through them the process group, in reference cycles: free them now,
+            # or the group outlives destroy_process_group() and its gloo threads can abort the exit (1 run in 8 here)
+            gc.collect()
+            dist.destroy_process_group()
