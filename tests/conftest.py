@@ -238,3 +238,18 @@ def default_runs(tiny_data, tmp_path_factory):
     for mode in ("ddp", "amp"):
         ok(run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / mode))
     return out
+
+
+def kill_mid_epoch(mode, args, output_dir):
+    """bash run.sh MODE 2 ARGS --save-every 1, SIGKILLed (every process) once step 2 of epoch 1 is logged; returns
+    its last.pt, saved after step 1 or 2 of the epoch: 16 or 32 samples at 2 processes x batch 8."""
+    job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir), []
+    for line in job.stdout:
+        lines.append(line)
+        if "epoch 1/2  step 2/3" in line:  # step 1 is saved by now, step 2 may be too
+            deliver(job, "every process", signal.SIGKILL)
+            break
+    finish(job, lines, timeout=60)
+    checkpoint = torch.load(output_dir / "last.pt", weights_only=True)
+    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
+    return checkpoint

@@ -14,8 +14,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_same_weights, deliver, finish, job_env, load_model_state, ok, run_sh,
-                      run_script, start)
+from conftest import (DEFAULTS, REPO, assert_same_weights, deliver, finish, job_env, kill_mid_epoch,
+                      load_model_state, ok, run_sh, run_script, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
@@ -111,16 +111,8 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
     processes from the same sample with the LR of the new global batch, and at 2 processes to the uninterrupted
     weights bit for bit (same ranks, batches and summation order; DCP restores every parameter and momentum exactly,
     and with --freeze the BatchNorm statistics never change)."""
-    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "1"]
-    job, lines = start("fsdp", 2, *args, "--output-dir", tmp_path / "two"), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 2/3" in line:  # step 1 is saved by now, step 2 may be too
-            deliver(job, "every process", signal.SIGKILL)
-            break
-    finish(job, lines, timeout=60)
-    checkpoint = torch.load(tmp_path / "two" / "last.pt", weights_only=True)
-    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
+    args = [*COMMON, "--data-path", tiny_data, "-b", "8"]
+    checkpoint = kill_mid_epoch("fsdp", args, tmp_path / "two")
     assert (tmp_path / "two" / checkpoint["optimizer"] / ".metadata").is_file()
     shutil.copytree(tmp_path / "two", tmp_path / "saved")
 

@@ -10,11 +10,10 @@ import threading
 import time
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import (REPO, assert_same_weights, deliver, finish, job_env, load_model_state, ok, ranks, run_script,
-                      start)
+from conftest import (REPO, assert_same_weights, deliver, finish, job_env, kill_mid_epoch, load_model_state, ok,
+                      ranks, run_script, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -75,16 +74,8 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(tiny
     """A checkpoint saved mid-epoch by 2 processes x batch 8 continues on 3 processes x batch 8, and, as the
     reference, in one process with batch 24: the same samples from the same point, the LR of the new global
     batch, and the same weights at the end (with --freeze the forward pass of a sample ignores its batch)."""
-    args = [*EXACT, "--data-path", tiny_data, "-b", "8", "--save-every", "1"]
-    job, lines = start("ddp", 2, *args, "--output-dir", tmp_path / "two"), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 2/3" in line:  # step 1 is saved by now, step 2 may be too
-            deliver(job, "every process", signal.SIGKILL)
-            break
-    finish(job, lines, timeout=60)
-    checkpoint = torch.load(tmp_path / "two" / "last.pt", weights_only=True)
-    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
+    args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
+    checkpoint = kill_mid_epoch("ddp", args, tmp_path / "two")
     shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
 
     three = ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", tmp_path / "saved.pt",
