@@ -5,6 +5,7 @@ signatures stable.
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,6 +144,13 @@ def run_sh(*args, timeout=150, env=None):
 def ok(proc):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def free_port():
+    """A port nothing listens on now, for a MASTER_PORT on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parent_of(pid):

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, assert_same_weights, load_model_state, make_dataset, run_script
+from conftest import REPO, assert_same_weights, free_port, load_model_state, make_dataset, ok, run_script
 
 SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py"]
 TOL = 1e-5
@@ -35,19 +34,8 @@ def torchrun(cwd, nproc, script, *args, launcher="torch.distributed.run", extra=
                           timeout=timeout)
 
 
-def ok(proc):
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
 def results(folder):
     return json.loads((folder / "results.json").read_text())
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

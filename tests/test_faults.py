@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, REPO, run_script
+from conftest import FAST, REPO, free_port, run_script
 
 
 def env_1_thread(**extra):
@@ -74,9 +74,3 @@ def test_a_taken_master_port_is_refused_with_its_number():
                                                MASTER_PORT=str(port)))
     assert proc.returncode == 2
     assert f"MASTER_PORT {port} is already in use" in proc.stderr
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

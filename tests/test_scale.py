@@ -3,7 +3,6 @@ whose agents disagree, a resume with another world size or batch, nodes that see
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,19 +11,13 @@ import time
 import pytest
 from torch.utils.data import DistributedSampler
 
-from conftest import (REPO, assert_same_weights, deliver, finish, job_env, kill_mid_epoch, load_model_state, ok,
-                      ranks, run_script, start)
+from conftest import (REPO, assert_same_weights, deliver, finish, free_port, job_env, kill_mid_epoch,
+                      load_model_state, ok, ranks, run_script, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
 EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
          "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc, script, *args, env=None):
