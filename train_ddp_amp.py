@@ -297,6 +297,9 @@ if __name__ == "__main__":
         # disks); a bad image is known only where it was read.
         if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
             print(f"error: {error}", file=sys.stderr)
+        else:  # wait for local rank 0 to print it: the launcher stops every rank as soon as one of them fails
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before training started (in training, main() stops cleanly)
         sys.exit(130)

@@ -5,6 +5,7 @@ train_single.py plus DDP, started by the classic launcher (torchrun is the next 
 The launcher passes --local-rank=N to each process and sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 """
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -196,6 +197,9 @@ if __name__ == "__main__":
         # disks); a bad image is known only where it was read.
         if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
             print(f"error: {error}", file=sys.stderr)
+        else:  # wait for local rank 0 to print it: the launcher stops every rank as soon as one of them fails
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line instead of a traceback from each
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:

@@ -203,7 +203,12 @@ def test_two_nodes_match_one_node(runs, tiny_data, tmp_path):
 
 def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     started = time.time()
-    proc = torchrun(bare, 2, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data, timeout=60)
+    # Local rank 0 starts 2 s late, as on a loaded machine: rank 1 finds the error first, and the launcher stops every
+    # rank once one fails, so without rank 1 waiting the job ended with no error line at all (seen in CI).
+    late_rank_0 = tmp_path / "late_rank_0.sh"
+    late_rank_0.write_text(f'[ "$LOCAL_RANK" = 0 ] && sleep 2\nexec {sys.executable} "$@"\n')
+    proc = torchrun(bare, 2, late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data,
+                    extra=["--no-python", "bash"], timeout=60)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert errors == ["error: --epochs must be positive, got 0"], proc.stderr[-2000:]
