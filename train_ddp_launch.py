@@ -58,9 +58,15 @@ def main(args):
         raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
                                f"({len(train_loader.sampler)}); lower it")
 
-    # Model
+    # Model. --weights DEFAULT: local rank 0 downloads torchvision's weights into the hub cache while the node's
+    # other ranks wait, then they read the cached file (nodes that share one cache each download it once; torch.hub
+    # renames a complete download into place, so they cannot clash).
     torch.manual_seed(args.seed)
+    if args.local_rank > 0:
+        dist.barrier()
     model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    if args.local_rank == 0:
+        dist.barrier()
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -95,11 +101,13 @@ def main(args):
               f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
-        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+        val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes))
         if rank == 0:
-            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
-            utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
-                                                           "val_count": val_count, "checkpoint": str(resume)})
+            results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
+                       **utils.class_results(confusion, classes)}
+            utils.write_json(output_dir / "results.json", results)
+            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
+                  f"{utils.weakest_classes(results['per_class_acc'])}")
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
@@ -112,6 +120,7 @@ def main(args):
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
+    log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
@@ -120,7 +129,7 @@ def main(args):
         utils.train_mode(model, args.freeze)
         log.start_epoch(epoch, start_step)
         samples = start_samples
-        for step, (images, labels) in enumerate(train_loader, start=start_step):
+        for step, (images, labels) in enumerate(log.timed(train_loader), start=start_step):
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
@@ -137,8 +146,8 @@ def main(args):
                 save(epoch, samples)
         start_step, start_samples = 0, 0
 
-        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
-        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes))
+        log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
         if rank == 0:
@@ -147,21 +156,24 @@ def main(args):
     profiler.close()
 
     if val_acc is None:  # the checkpoint had finished training already
-        val_loss, val_acc, val_count = evaluate(model.module, val_loader, device)
+        val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes))
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
                "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time}
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s\ncheckpoints, results.json and TensorBoard logs in {output_dir}; "
+          f"{results['train_img_per_s']:.1f} img/s\n"
+          f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
+          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
+def evaluate(model, loader, device, num_classes):
+    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once, summed over all ranks.
 
     Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
     running a different number of evaluation batches."""
@@ -171,16 +183,20 @@ def evaluate(model, loader, device):
         dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     for images, labels in loader:
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        predicted = logits.argmax(dim=1)
+        totals[1] += (predicted == labels).sum()
         totals[2] += labels.numel()
+        confusion.view(-1).index_add_(0, labels * num_classes + predicted, torch.ones_like(labels))  # no host sync
     dist.all_reduce(totals)  # sum of the ranks' sums
+    dist.all_reduce(confusion)
     loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
+    return loss_sum / count, correct / count, int(count), confusion.cpu()
 
 
 if __name__ == "__main__":

@@ -72,10 +72,12 @@ def main(args):
           f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
-        print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
-        utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
-                                                       "val_count": val_count, "checkpoint": str(resume)})
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
+        results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
+                   **utils.class_results(confusion, classes)}
+        utils.write_json(output_dir / "results.json", results)
+        print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
+              f"{utils.weakest_classes(results['per_class_acc'])}")
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
@@ -87,6 +89,7 @@ def main(args):
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1)
+    log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
@@ -95,7 +98,7 @@ def main(args):
         utils.train_mode(model, args.freeze)
         log.start_epoch(epoch, start_step)
         samples = start_samples
-        for step, (images, labels) in enumerate(train_loader, start=start_step):
+        for step, (images, labels) in enumerate(log.timed(train_loader), start=start_step):
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
@@ -112,8 +115,8 @@ def main(args):
                 save(epoch, samples)
         start_step, start_samples = 0, 0
 
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
-        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
+        log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
         save(epoch + 1, 0, is_best)
@@ -121,30 +124,36 @@ def main(args):
     profiler.close()
 
     if val_acc is None:  # the checkpoint had finished training already
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
                "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time}
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s\ncheckpoints, results.json and TensorBoard logs in {output_dir}; "
+          f"{results['train_img_per_s']:.1f} img/s\n"
+          f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
+          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """Loss and top-1 accuracy over every validation image exactly once."""
+def evaluate(model, loader, device, num_classes):
+    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     for images, labels in loader:
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        predicted = logits.argmax(dim=1)
+        totals[1] += (predicted == labels).sum()
         totals[2] += labels.numel()
+        confusion.view(-1).index_add_(0, labels * num_classes + predicted, torch.ones_like(labels))  # no host sync
     loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
+    return loss_sum / count, correct / count, int(count), confusion.cpu()
 
 
 if __name__ == "__main__":

@@ -91,9 +91,15 @@ def main(args):
         raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
                                f"training images per process ({len(train_loader.sampler)}); lower either")
 
-    # Model
+    # Model. --weights DEFAULT: local rank 0 downloads torchvision's weights into the hub cache while the node's
+    # other ranks wait, then they read the cached file (nodes that share one cache each download it once; torch.hub
+    # renames a complete download into place, so they cannot clash).
     torch.manual_seed(args.seed)
+    if local_rank > 0:
+        dist.barrier()
     model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    if local_rank == 0:
+        dist.barrier()
     if args.sync_bn and device.type == "cuda":
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -146,11 +152,13 @@ def main(args):
               f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
         if rank == 0:
-            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images)")
-            utils.write_json(output_dir / "results.json", {"val_acc": val_acc, "val_loss": val_loss,
-                                                           "val_count": val_count, "checkpoint": str(resume)})
+            results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
+                       **utils.class_results(confusion, classes)}
+            utils.write_json(output_dir / "results.json", results)
+            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
+                  f"{utils.weakest_classes(results['per_class_acc'])}")
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
@@ -190,6 +198,7 @@ def main(args):
 
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
+    log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     val_acc, global_step, vote, voting = None, start_epoch * steps_per_epoch + start_step, None, None
     memory = None  # bytes of parameters, gradients and optimizer state held by this rank, after the first step
@@ -200,7 +209,7 @@ def main(args):
         log.start_epoch(epoch, start_step)
         samples = start_samples
         batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
-        for micro_step, (images, labels) in enumerate(batches, start=start_step * args.accum_steps):
+        for micro_step, (images, labels) in enumerate(log.timed(batches), start=start_step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
@@ -238,12 +247,12 @@ def main(args):
             stop(epoch, samples, int(vote.item()))  # after the epoch's last step: the resumed run evaluates it
         voting = None
 
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device, stop_signal)
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes), stop_signal)
         vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         if vote.item():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
             stop(epoch, samples, int(vote.item()))
-        log.end_epoch(global_step, val_loss, val_acc, val_count)
+        log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
         save(epoch + 1, 0, is_best)
@@ -251,24 +260,26 @@ def main(args):
     profiler.close()
 
     if val_acc is None:  # the checkpoint had finished training already
-        val_loss, val_acc, val_count = evaluate(model, val_loader, device)
+        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
                "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
                "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               "reduce_scatters": reduce_scatters.count, "bytes_per_rank": memory, "world_size": world_size}
+               "reduce_scatters": reduce_scatters.count, "bytes_per_rank": memory, "world_size": world_size,
+               **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
           f"{results['train_img_per_s']:.1f} img/s, {reduce_scatters.count} gradient reduce-scatters "
           f"(sharded modules x optimizer steps)\n"
+          f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, stop_signal=()):
-    """Loss and top-1 accuracy over every validation image exactly once, summed over all ranks.
+def evaluate(model, loader, device, num_classes, stop_signal=()):
+    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once, summed over all ranks.
 
     Every forward all-gathers weights: every rank runs as many as the rank with the most batches (an empty batch
     when its own slice is done), and all return early, with partial sums, once a stop signal came to any."""
@@ -278,6 +289,7 @@ def evaluate(model, loader, device, stop_signal=()):
         dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     batches, size = utils.start_workers(loader), loader.dataset.dataset.img_size
     while True:
         batch = next(batches, None)
@@ -290,11 +302,14 @@ def evaluate(model, loader, device, stop_signal=()):
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        predicted = logits.argmax(dim=1)
+        totals[1] += (predicted == labels).sum()
         totals[2] += labels.numel()
+        confusion.view(-1).index_add_(0, labels * num_classes + predicted, torch.ones_like(labels))  # no host sync
     dist.all_reduce(totals)  # sum of the ranks' sums
+    dist.all_reduce(confusion)
     loss_sum, correct, count = totals.tolist()
-    return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+    return loss_sum / max(count, 1), correct / max(count, 1), int(count), confusion.cpu()
 
 
 class ReduceScatterCounter:

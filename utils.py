@@ -10,8 +10,10 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import time
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -383,11 +385,10 @@ def make_demo_images(folder, per_class=200, size=80):
 
 # ------------------------------------------------------------------------------------------------ model
 def build_model(name, num_classes, weights=None, freeze=False):
-    """A torchvision ResNet; `weights` is a local state dict (the classifier head is skipped if its shape differs)."""
+    """A torchvision ResNet; `weights` (see load_weights) are loaded except a classifier head of another shape."""
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if weights:
-        state = load_file(weights, "--weights")
-        state = state.get("model", state)  # one of our checkpoints, or a bare state dict
+        state = load_weights(name, weights)
         own = model.state_dict()
         skipped = [k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape]
         state = {k: v for k, v in state.items() if k not in skipped}
@@ -402,6 +403,36 @@ def build_model(name, num_classes, weights=None, freeze=False):
         for param_name, param in model.named_parameters():
             param.requires_grad = param_name.startswith("fc.")
     return model
+
+
+def load_weights(name, weights):
+    """--weights: a local file (a state dict, or one of our checkpoints), or the name of torchvision's weights for
+    the model (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2): downloaded once into the torch hub cache,
+    $TORCH_HOME/hub/checkpoints, and read from there with no network afterwards."""
+    if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Z][A-Z0-9_]*", weights):
+        state = load_file(weights, "--weights")
+        return state.get("model", state)  # one of our checkpoints, or a bare state dict
+    enum = torchvision.models.get_model_weights(name)
+    family, _, short = weights.rpartition(".")
+    if family and family != enum.__name__:
+        other = family.removesuffix("_Weights").lower()
+        raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
+                         f"{name}'s: {', '.join(enum.__members__)}")
+    if short not in enum.__members__:
+        raise UsageError(f"--weights {weights}: torchvision has no such weights for {name}; it has "
+                         f"{', '.join(enum.__members__)} (or give a file path)")
+    url = enum[short].url
+    # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
+    try:
+        return enum[short].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0].split(". ")[0][:120] if str(error).strip() else repr(error)
+        if cached.exists():
+            raise UsageError(f"--weights {weights}: {cached} is not readable ({reason}); delete it to download "
+                             f"it again") from None
+        raise UsageError(f"--weights {weights}: cannot download {url} ({reason}); on a machine without network, "
+                         f"put that file at {cached}") from None
 
 
 def train_mode(model, freeze):
@@ -492,6 +523,18 @@ def same_on_every_rank(**facts):
 
 
 # --------------------------------------------------------------------------------------------- logging
+def class_results(confusion, classes):
+    """results.json's per-class figures from the confusion matrix (rows: true class, columns: predicted)."""
+    counts = confusion.sum(dim=1).tolist()
+    per_class = {name: confusion[i, i].item() / counts[i] if counts[i] else None for i, name in enumerate(classes)}
+    return {"per_class_acc": per_class, "confusion": confusion.tolist()}
+
+
+def weakest_classes(per_class_acc, count=3):
+    ranked = sorted((acc, name) for name, acc in per_class_acc.items() if acc is not None)[:count]
+    return "weakest classes: " + ", ".join(f"{name} {100 * acc:.1f}%" for acc, name in ranked)
+
+
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
@@ -505,10 +548,28 @@ class Logger:
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
 
+    def add_training_images(self, dataset, epoch, count=32):
+        """TensorBoard: a grid of training images as the model sees them (cropped, flipped, resized)."""
+        if self.enabled:
+            picks = torch.linspace(0, len(dataset) - 1, min(count, len(dataset))).long().tolist()  # of every class
+            grid = torchvision.utils.make_grid(torch.stack([dataset[(epoch, i)][0] for i in picks]), nrow=8)
+            self.writer.add_image("train/augmented_images", grid, epoch)
+
     def start_epoch(self, epoch, start_step=0):
-        self.epoch, self.epoch_steps = epoch, 0
+        self.epoch, self.epoch_steps, self.data_wait = epoch, 0, 0.0
         self.epoch_start = self.last_time = self.step_end = time.perf_counter()
         self.last_step = start_step
+
+    def timed(self, batches):
+        """Yields the loader's batches, adding up the time the training loop waits for them."""
+        batches = iter(batches)
+        while True:
+            waiting = time.perf_counter()
+            batch = next(batches, None)
+            self.data_wait += time.perf_counter() - waiting
+            if batch is None:
+                return
+            yield batch
 
     def step(self, step, global_step, loss, lr):
         """Call after each optimizer step; `step` counts from 0 within the epoch."""
@@ -531,15 +592,25 @@ class Logger:
         self.writer.add_scalar("train/img_per_s", img_per_s, global_step)
         self.last_time, self.last_step = now, step + 1
 
-    def end_epoch(self, global_step, val_loss, val_acc, val_count):
+    def end_epoch(self, global_step, val_loss, val_acc, val_count, confusion):
         seconds = self.step_end - self.epoch_start  # training only, not the evaluation
         self.train_seconds += seconds
         self.train_images += self.epoch_steps * self.global_batch
         if self.enabled:
+            # Time the loop waited for a batch: the GPU (or CPU) idled then, unless it still had queued work
+            waiting = min(1.0, self.data_wait / max(seconds, 1e-9))
+            hint = ": data loading is the bottleneck; raise --workers, or use faster storage" if waiting > 0.1 else ""
             print(f"epoch {self.epoch + 1}/{self.epochs}  val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% "
-                  f"({val_count} images)  train time {seconds:.1f}s", flush=True)
+                  f"({val_count} images)  train time {seconds:.1f}s, {100 * waiting:.0f}% waiting for data{hint}",
+                  flush=True)
+            self.writer.add_scalar("train/data_wait", waiting, global_step)
             self.writer.add_scalar("val/loss", val_loss, global_step)
             self.writer.add_scalar("val/acc", val_acc, global_step)
+            # Rows: true classes, columns: predicted, in class_indices.json's order; each row as fractions
+            rows = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1)
+            scale = max(1, 256 // len(rows))  # a few classes: one block of pixels per cell
+            self.writer.add_image("val/confusion", rows.repeat_interleave(scale, 0).repeat_interleave(scale, 1)[None],
+                                  global_step)
             self.writer.flush()
 
     def img_per_s(self):

@@ -126,6 +126,27 @@ def tiny_data(tmp_path_factory):
     return root
 
 
+# Every proxy points at a closed port: a script that tried the network would fail at once, not download
+NO_NETWORK = {name: "http://127.0.0.1:9" for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+NO_NETWORK.update(no_proxy="", NO_PROXY="")
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory):
+    """A TORCH_HOME whose hub cache holds 'ImageNet weights' for resnet18: a seeded 1000-class state dict at the exact
+    path torchvision's ResNet18_Weights.IMAGENET1K_V1 is read from (the file name of its URL), so that
+    --weights IMAGENET1K_V1 loads it with no network. Returns (TORCH_HOME, the state dict)."""
+    import torchvision
+    torch_home = tmp_path_factory.mktemp("torch_home")
+    checkpoints = torch_home / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    torch.manual_seed(1234)
+    state = torchvision.models.resnet18(num_classes=1000).state_dict()
+    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+    torch.save(state, checkpoints / url.rsplit("/", 1)[-1])
+    return torch_home, state
+
+
 # ------------------------------------------------------------------------------------- jobs started by run.sh
 # What a user runs, made small: default --workers, no --freeze (BatchNorm trains), 2 epochs of 3 steps
 DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]

@@ -3,7 +3,8 @@
 Most runs use a folder holding only the five scripts and utils.py (the copy-out case). With --freeze the forward
 pass of a sample does not depend on the rest of its batch, so W processes x batch B must end where one process
 with batch W x B ends. Tolerance 1e-5: float32 sums in another order explain ~1e-7 here (measured 3e-8), while a
-sampler, averaging or LR bug moves the weights by 1e-3 or more.
+sampler, averaging or LR bug moves the weights by 1e-3 or more. Every run starts from torchvision's "ImageNet weights"
+by name (--weights IMAGENET1K_V1), read from the hub cache with no network (conftest.hub_cache).
 """
 import json
 import os
@@ -16,12 +17,22 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, assert_same_weights, free_port, load_model_state, make_dataset, ok, run_script
+from conftest import NO_NETWORK, REPO, assert_same_weights, free_port, load_model_state, make_dataset, ok, run_script
 
 SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py"]
 TOL = 1e-5
 COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-          "--freeze"]
+          "--freeze", "--weights", "IMAGENET1K_V1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_hub(hub_cache):
+    """Every process this module starts inherits TORCH_HOME (the cache holding IMAGENET1K_V1) and no network."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_HOME", str(hub_cache[0]))
+        for name, value in NO_NETWORK.items():
+            patch.setenv(name, value)
+        yield
 
 
 def env_1_thread():
@@ -78,6 +89,18 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     # Only global rank 0 prints: one progress line per step (3 steps x 2 epochs), not one per rank
     assert runs[name].stdout.count("epoch 2/2  step 3/3") == 1
     assert results(out / name)["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
+    assert results(out / name)["confusion"] == results(out / "single")["confusion"]  # summed over the ranks
+
+
+def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache):
+    """--weights IMAGENET1K_V1 with --freeze: the backbone ends exactly as the cached file holds it and the new
+    3-class head trained, in every script; no rank tried the network (every proxy points at a closed port)."""
+    _, pretrained = hub_cache
+    for name in ("single", "dp", "launch", "ddp"):
+        trained = load_model_state(runs["dir"] / name / "last.pt")
+        assert_same_weights({k: trained[k] for k in pretrained if not k.startswith("fc.")},
+                            {k: v for k, v in pretrained.items() if not k.startswith("fc.")})
+        assert trained["fc.weight"].shape == (3, 512)
 
 
 def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
@@ -212,6 +235,14 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert errors == ["error: --epochs must be positive, got 0"], proc.stderr[-2000:]
+
+    # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1 waits
+    proc = torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
+                    "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", timeout=60)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert "cannot download" in errors[0] and f"put that file at {os.environ['TORCH_HOME']}/hub/checkpoints/resnet34-" \
+        in errors[0], errors
 
     # A file that only one rank reads: that rank reports it, and the job ends instead of hanging on a collective
     data = make_dataset(tmp_path / "data", [12, 12])

@@ -60,6 +60,7 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(out / "single" / "last.pt"),
                         atol=TOL)
     assert results(out / "fsdp")["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
+    assert results(out / "fsdp")["confusion"] == results(out / "single")["confusion"]
     # The layout: plain last.pt and best.pt, and one sharded folder, the one last.pt names; nothing half-written
     for name in ("last.pt", "best.pt"):
         torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(out / "fsdp" / name))

@@ -38,6 +38,7 @@ def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, tiny_data
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
+    assert evaluated["confusion"] == results["confusion"] and evaluated["per_class_acc"] == results["per_class_acc"]
 
 
 @pytest.mark.parametrize("world_sizes,batches", [((2, 3), (8, 8)), ((2, 1), (8, 24)), ((3, 2), (4, 16))])

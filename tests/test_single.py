@@ -20,7 +20,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import FAST, REPO, assert_same_weights, load_model_state, make_dataset, run_script
+from conftest import FAST, NO_NETWORK, REPO, assert_same_weights, load_model_state, make_dataset, run_script
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -126,6 +126,17 @@ def test_results_and_checkpoints(baseline, tiny_data):
     assert results["train_img_per_s"] > 0
     assert results["wall_s"] > 0
     assert json.loads((baseline.dir / "class_indices.json").read_text()) == {"0": "c0", "1": "c1", "2": "c2"}
+    # Per class: rows of the confusion matrix are the true classes (6, 5 and 6 validation images), columns predicted
+    confusion = torch.tensor(results["confusion"])
+    assert confusion.shape == (3, 3) and confusion.sum(dim=1).tolist() == [6, 5, 6]
+    assert confusion.trace().item() / VAL_COUNT == pytest.approx(results["final_acc"])
+    assert results["per_class_acc"] == {name: confusion[i, i].item() / confusion[i].sum().item()
+                                        for i, name in enumerate(["c0", "c1", "c2"])}
+    weakest = min(results["per_class_acc"], key=results["per_class_acc"].get)
+    assert f"weakest classes: {weakest} {100 * results['per_class_acc'][weakest]:.1f}%" in baseline.proc.stdout
+    epoch_lines = [line for line in baseline.proc.stdout.splitlines() if re.match(r"epoch \d+/\d+  val loss", line)]
+    assert len(epoch_lines) == EPOCHS and all(re.search(r"train time [\d.]+s, \d+% waiting for data", line)
+                                              for line in epoch_lines), epoch_lines
     for name in ("last.pt", "best.pt"):
         checkpoint = torch.load(baseline.dir / name, map_location="cpu", weights_only=True)
         model = torchvision.models.resnet18(num_classes=3)
@@ -153,9 +164,17 @@ def test_tensorboard_scalars(baseline):
     for tag in ("train/loss", "train/lr", "train/img_per_s"):
         assert tag in logged, f"{tag} missing; logged: {sorted(logged)}"
         assert [step for step, _ in logged[tag]] == train_steps, tag
-    for tag in ("val/loss", "val/acc"):
+    for tag in ("val/loss", "val/acc", "train/data_wait"):
         assert tag in logged, f"{tag} missing; logged: {sorted(logged)}"
         assert [step for step, _ in logged[tag]] == val_steps, tag
+    assert all(0 <= value <= 1 for _, value in logged["train/data_wait"])
+    # Images: the confusion matrix each epoch, and once, a grid of training images as the model sees them
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(baseline.dir), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Images("val/confusion")] == val_steps
+    grid = accumulator.Images("train/augmented_images")
+    assert len(grid) == 1 and grid[0].width > 4 * 32 and grid[0].height > 2 * 32  # 32 images, 8 to a row
     assert all(value > 0 for _, value in logged["train/img_per_s"])
     assert all(value >= 0 for _, value in logged["train/lr"])
     results = json.loads((baseline.dir / "results.json").read_text())
@@ -322,6 +341,13 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     text_pt.write_text("this is not a checkpoint\n")
     resnet50 = tmp_path / "resnet50.pt"
     torch.save(torchvision.models.resnet50().state_dict(), resnet50)
+    cut_weights = tmp_path / "cut_weights.pth"
+    cut_weights.write_bytes(resnet50.read_bytes()[:100_000])
+    # A hub cache (TORCH_HOME) with no resnet18 weights and a half-downloaded resnet34 file; no network at all
+    torch_home = tmp_path / "torch_home"
+    (torch_home / "hub" / "checkpoints").mkdir(parents=True)
+    resnet34_url = torchvision.models.ResNet34_Weights.DEFAULT.url
+    (torch_home / "hub" / "checkpoints" / resnet34_url.rsplit("/", 1)[-1]).write_bytes(cut_weights.read_bytes())
 
     # name: (arguments, words the error line must contain (a tuple: any one of them), case-insensitive)
     no_such = ("no such", "not found", "does not exist", "not exist")
@@ -345,6 +371,15 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         "--resume other classes": (["--data-path", two_classes, "--resume", old_run / "last.pt"],
                                    ["last.pt", "class"]),
         "--weights of resnet50": (["--data-path", tiny_data, "--weights", resnet50], ["resnet50.pt", "resnet18"]),
+        "--weights truncated": (["--data-path", tiny_data, "--weights", cut_weights], ["cut_weights", "checkpoint"]),
+        "--weights named for resnet50": (["--data-path", tiny_data, "--weights", "ResNet50_Weights.IMAGENET1K_V2"],
+                                         ["resnet50", "--model"]),
+        "--weights a name resnet18 lacks": (["--data-path", tiny_data, "--weights", "IMAGENET1K_V2"],
+                                            ["IMAGENET1K_V2", "resnet18", "IMAGENET1K_V1"]),
+        "--weights DEFAULT, no network": (["--data-path", tiny_data, "--weights", "DEFAULT"],
+                                          ["cannot download", f"put that file at {torch_home}/hub/checkpoints/"]),
+        "--weights DEFAULT, a cut cached file": (["--data-path", tiny_data, "--model", "resnet34", "--weights",
+                                                  "DEFAULT"], ["resnet34-", "delete it"]),
         "unknown --model": (["--data-path", tiny_data, "--model", "resnet9"], ["resnet9"]),
         "--device cuda": (["--data-path", tiny_data, "--device", "cuda"], ["cuda", "gpu"]),
         "--output-dir of an earlier run": (["--data-path", tiny_data, "--output-dir", old_run],
@@ -357,7 +392,8 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         output_dir = ["--output-dir", tmp_path / "out" / re.sub(r"\W+", "_", name)]
         try:
             return run_script(SCRIPT, "--val-fraction", "0.25", *FAST, *output_dir, *args, timeout=60,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # one thread each: they run 3 at a time
+                              env=dict(os.environ, OMP_NUM_THREADS="1",  # one thread each: they run 3 at a time
+                                       TORCH_HOME=str(torch_home), **NO_NETWORK))
         except subprocess.TimeoutExpired:
             return None
 
