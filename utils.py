@@ -481,7 +481,10 @@ def atomic_write(path, write):
 
 
 def write_json(path, data):
-    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+    text = json.dumps(data, indent=2)
+    # a list of numbers (a row of the confusion matrix) on one line, not one number per line
+    text = re.sub(r"\[\n\s+([-+\d.eE,\s]+?)\n\s+\]", lambda match: "[" + re.sub(r",\s+", ", ", match[1]) + "]", text)
+    atomic_write(path, lambda f: f.write((text + "\n").encode()))
 
 
 def load_file(path, flag):

@@ -183,6 +183,30 @@ def test_tensorboard_scalars(baseline):
     assert max(accuracies) == pytest.approx(results["best_acc"], abs=1e-6)
 
 
+def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
+    """Logger.timed counts the time the loop waits for a batch: a loader as slow as the step is about half the
+    training time, and the epoch line says what to try; a fast one is about 0% and says nothing more."""
+    import utils
+
+    def batches(seconds):
+        for index in range(4):
+            time.sleep(seconds)
+            yield index
+
+    for loader_seconds, low, high in ((0.1, 35, 65), (0.0, 0, 5)):
+        log = utils.Logger(tmp_path / str(loader_seconds), 1, 4, 8, print_freq=100)
+        log.start_epoch(0)
+        for step, _ in enumerate(log.timed(batches(loader_seconds))):
+            time.sleep(0.1)  # the step's compute
+            log.step(step, step + 1, torch.tensor(1.0), 0.1)
+        log.end_epoch(4, 1.0, 0.5, 6, torch.eye(3, dtype=torch.int64) * 2)
+        log.close()
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        share = int(re.search(r"(\d+)% waiting for data", line)[1])
+        assert low <= share <= high, line
+        assert ("raise --workers" in line) == (share > 10), line
+
+
 # ------------------------------------------------------------------------------------ kill and resume
 @pytest.fixture(scope="module")
 def resumed(tiny_data, tmp_path_factory):
