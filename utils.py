@@ -409,18 +409,19 @@ def load_weights(name, weights):
     """--weights: a local file (a state dict, or one of our checkpoints), or the name of torchvision's weights for
     the model (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2): downloaded once into the torch hub cache,
     $TORCH_HOME/hub/checkpoints, and read from there with no network afterwards."""
-    if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Z][A-Z0-9_]*", weights):
+    if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
         state = load_file(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
     enum = torchvision.models.get_model_weights(name)
     family, _, short = weights.rpartition(".")
+    short = short.upper()
     if family and family != enum.__name__:
         other = family.removesuffix("_Weights").lower()
         raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
                          f"{name}'s: {', '.join(enum.__members__)}")
     if short not in enum.__members__:
-        raise UsageError(f"--weights {weights}: torchvision has no such weights for {name}; it has "
-                         f"{', '.join(enum.__members__)} (or give a file path)")
+        raise UsageError(f"--weights {weights}: no such file, and torchvision has no weights of that name for "
+                         f"{name}; it has {', '.join(enum.__members__)}")
     url = enum[short].url
     # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)

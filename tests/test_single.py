@@ -400,7 +400,7 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
                                          ["resnet50", "--model"]),
         "--weights a name resnet18 lacks": (["--data-path", tiny_data, "--weights", "IMAGENET1K_V2"],
                                             ["IMAGENET1K_V2", "resnet18", "IMAGENET1K_V1"]),
-        "--weights DEFAULT, no network": (["--data-path", tiny_data, "--weights", "DEFAULT"],
+        "--weights default, no network": (["--data-path", tiny_data, "--weights", "default"],
                                           ["cannot download", f"put that file at {torch_home}/hub/checkpoints/"]),
         "--weights DEFAULT, a cut cached file": (["--data-path", tiny_data, "--model", "resnet34", "--weights",
                                                   "DEFAULT"], ["resnet34-", "delete it"]),
