@@ -104,8 +104,8 @@ held, dropped, log = [], False, open(sys.argv[1], "w")
 for line in iter(sys.stdin.readline, ""):
     log.write(line)
     log.flush()
-    if held and line[:1] in " \t":  # inside a traceback: hold it until its last line says what it is
-        held.append(line)
+    if held and (line[:1] in " \t" or line == "\n"):  # inside a traceback: hold it until its last line says what
+        held.append(line)  # it is (a blank line: a second signal interrupted the agent inside its handler)
         continue
     if held and re.match(r"torch\S*SignalException: Process \d+ got signal: \d+$", line):
         held, dropped = [], True  # the agent reporting the signal that stopped it: the scripts said so already
