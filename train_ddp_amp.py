@@ -292,7 +292,7 @@ if __name__ == "__main__":
                         help="autocast type: bf16 on CPUs and Ampere+ GPUs; fp16 (with a GradScaler) on CUDA")
     parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the DDP model for training (the first step compiles it: 20-60 s on 2 CPU cores)")
+                        help="torch.compile the DDP model (the first training step compiles: 20-60 s on 2 CPU cores)")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
     try:
