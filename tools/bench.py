@@ -53,6 +53,7 @@ IMPORTED_TAG = "BENCH-IMPORTED"
 GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batch: fills a GPU, not an H200's memory
 GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
 GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last")
+GPU_LIMIT_STEPS = (5, 20)  # warm-up (cuDNN's search; the compilation) and measured steps, whatever --quick says
 TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0, "startup_s": 1.0}
 
 
@@ -167,7 +168,7 @@ def gpu_limit_child(opts):
     if not torch.cuda.is_available():
         print(RESULT_TAG + json.dumps({"cuda": False}), flush=True)
         return
-    warmup, steps = opts.limit[2:]
+    warmup, steps = GPU_LIMIT_STEPS
     result = {"cuda": True, "gpu": torch.cuda.get_device_name(0)}
     for mode in opts.child_gpu_limit:
         result[mode] = gpu_step_rate(torch, mode, warmup, steps)
@@ -247,12 +248,14 @@ def gpu_feed_child(opts):
     pipeline, workers, folder = opts.child_gpu_feed
     warmup, steps = 4, 12
     _, train, _ = utils.find_images(folder, 0.2)
-    if pipeline == "project":
+    if pipeline == "project":  # asked for (epoch, index), as the scripts' EpochSampler does
         dataset = utils.ImageFiles(train, GPU_IMG, train=True, seed=0)
+        order = utils.EpochSampler(torch.utils.data.RandomSampler(dataset))
     else:
         dataset = torchvision.datasets.ImageFolder(folder, T.Compose([
             T.RandomResizedCrop(GPU_IMG), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
-    loader = DataLoader(dataset, GPU_E2E_BATCH, shuffle=True, num_workers=int(workers), pin_memory=True,
+        order = torch.utils.data.RandomSampler(dataset)
+    loader = DataLoader(dataset, GPU_E2E_BATCH, sampler=order, num_workers=int(workers), pin_memory=True,
                         drop_last=True, persistent_workers=True)
     torch.backends.cudnn.benchmark = True
     model = torchvision.models.get_model(GPU_MODEL, num_classes=10).cuda()
