@@ -623,7 +623,11 @@ def plan(opts, info, threads, nproc, tmp):
 # ------------------------------------------------------------------------------------------ parent: GPU rows
 def gpu_rows(opts, cores, threads, tmp):
     """The GPU rows, the most telling first, each within its own time limit; a row that no longer fits in
-    --gpu-budget is skipped and named, so the whole part ends in time. {"skipped_all": why} without CUDA."""
+    --gpu-budget is skipped and named, so the whole part ends in time. {"skipped_all": why} without CUDA.
+
+    The limits are guesses for one H200 with 16 cores (no GPU has run this yet): a few times the expected
+    time of each row (a training run ~12 s, four precisions ~40 s), and for torch.compile a cold compile of
+    resnet50's forward and backward (~1-2 min), which is why it comes last."""
     deadline = time.perf_counter() + opts.gpu_budget
     opts.limit = opts.limit or (2, 5, 5, 20)  # --limit is passed on to every child; the GPU children set their own
     rows, skipped = [], []
@@ -643,7 +647,7 @@ def gpu_rows(opts, cores, threads, tmp):
             skipped.append(f"{what}: {str(error).strip().splitlines()[0]}")
             return None
 
-    limits = child("GPU compute limit", 120, "--child-gpu-limit", *GPU_LIMIT_MODES)
+    limits = child("GPU compute limit", 90, "--child-gpu-limit", *GPU_LIMIT_MODES)
     if limits and not limits["cuda"]:
         return {"skipped_all": "no CUDA GPU on this machine"}
     for mode in GPU_LIMIT_MODES:
@@ -651,7 +655,7 @@ def gpu_rows(opts, cores, threads, tmp):
                      **(limits[mode] if limits else {"img_s": None})})
 
     jpegs = tmp / "jpegs"
-    made = child("ImageNet-sized JPEGs", 90, "--child-gpu-jpegs", str(jpegs))
+    made = child("ImageNet-sized JPEGs", 45, "--child-gpu-jpegs", str(jpegs))
     workers = [w for w in GPU_WORKERS if w <= cores] or [max(1, cores - 1)]
     py = sys.executable
     for name, launcher, script in (("train_single.py", [py], "train_single.py"),
@@ -659,26 +663,26 @@ def gpu_rows(opts, cores, threads, tmp):
                                                      "--nproc-per-node=1"], "train_ddp_amp.py")):
         for count in workers:
             what, img_s = f"{name} --workers {count}", None
-            if made and fits(what, 90):
+            if made and fits(what, 45):
                 out = tmp / f"gpu-{script}-{count}"
                 cmd = launcher + [script, "--data-path", str(jpegs), "--model", GPU_MODEL, "--img-size",
                                   str(GPU_IMG), "-b", str(GPU_E2E_BATCH), "--workers", str(count), "--epochs", "1",
                                   "--print-freq", "2", "--output-dir", str(out)]
                 try:  # 16 steps of 96 per epoch: 4 of warm-up, 12 measured, then stopped
-                    img_s = run_training(cmd, child_env(threads), GPU_E2E_BATCH, 4, 12, 2, False, out, 90)["img_s"]
+                    img_s = run_training(cmd, child_env(threads), GPU_E2E_BATCH, 4, 12, 2, False, out, 45)["img_s"]
                 except RuntimeError as error:
                     skipped.append(f"{what}: {str(error).strip().splitlines()[-1]}")
                 shutil.rmtree(out, ignore_errors=True)
-            rows.append({"row": f"{what}, 224 px, batch {GPU_E2E_BATCH}", "img_s": img_s})
+            rows.append({"row": f"{what}, {GPU_IMG} px, batch {GPU_E2E_BATCH}", "img_s": img_s})
     for pipeline in ("project", "textbook"):
-        fed = made and child(f"{pipeline} pipeline feeding the bf16 step", 90, "--child-gpu-feed", pipeline,
+        fed = made and child(f"{pipeline} pipeline feeding the bf16 step", 45, "--child-gpu-feed", pipeline,
                              str(workers[-1]), str(jpegs))
         rows.append({"row": f"{pipeline} pipeline, {workers[-1]} workers, feeding the bf16 step",
                      "img_s": fed["img_s"] if fed else None})
-    decoded = made and child("GPU JPEG decode", 60, "--child-gpu-decode", str(jpegs))
+    decoded = made and child("GPU JPEG decode", 30, "--child-gpu-decode", str(jpegs))
     rows.append({"row": "decode_jpeg(device=\"cuda\"), batches of 64 (500 x 375)",
                  "img_s": decoded["img_s"] if decoded else None})
-    compiled = child("torch.compile compute limit", 180, "--child-gpu-limit", "compile")
+    compiled = child("torch.compile compute limit", 150, "--child-gpu-limit", "compile")
     rows.append({"row": f"compute limit bf16_channels_last + torch.compile, batch {GPU_BATCH}",
                  **(compiled["compile"] if compiled else {"img_s": None})})
     return {"model": GPU_MODEL, "img_size": GPU_IMG, "jpegs": made, "workers": workers, "rows": rows,
