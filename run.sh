@@ -14,6 +14,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   fsdp [N]        train_fsdp.py (sharded model, FSDP2) under torchrun, N processes per node
   bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
+  gpucheck        on a GPU machine: doctor, tests/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
   test            the test suite (pytest)
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine.
 Environment: TORCHRUN_ARGS (extra launcher options); multi-node: NNODES, MASTER_ADDR, MASTER_PORT (29500),
@@ -23,14 +24,14 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|fsdp|bench|doctor|test) shift ;;
+  single|dp|launch|ddp|amp|fsdp|bench|doctor|gpucheck|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
 
 # Python: the current one if it has what we need, else .venv (made from requirements.txt on first use).
 needs="torch torchvision tensorboard"
-[ "$mode" = test ] && needs="$needs pytest"
+case "$mode" in test|gpucheck) needs="$needs pytest" ;; esac
 has_modules() {
   "$1" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $needs \
     2>/dev/null
@@ -49,6 +50,7 @@ case "$mode" in
   single) exec "$PYTHON" train_single.py "$@" ;;
   dp) exec "$PYTHON" train_dp.py "$@" ;;
   doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
+  gpucheck) exec "$PYTHON" tools/gpucheck.py "$@" ;;
   test) exec "$PYTHON" -m pytest -q tests "$@" ;;
 esac
 

@@ -118,3 +118,16 @@ def test_a_port_in_use_fails_the_run(tmp_path):
     port_check = next(c for c in data["checks"] if c["name"] == "port")
     assert port_check["status"] == "fail" and port_check["port"] == port
     assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="on a GPU machine gpucheck runs the GPU tests and bench rows for minutes")
+def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
+    report = tmp_path / "report.txt"
+    result = subprocess.run(["bash", "run.sh", "gpucheck", "--report", str(report)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                         if k not in ("MASTER_ADDR", "MASTER_PORT")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    skipped = "CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine"
+    assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
+    text = report.read_text()
+    assert skipped in text and "## bash run.sh doctor: ok" in text and "all-reduce gloo, 2 processes" in text

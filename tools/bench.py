@@ -13,6 +13,12 @@ the same model (resnet18), crop size (64) and batch per process (32), on the bui
   data pipeline   images/s of the project's loader (utils.ImageFiles + default collate) and of the textbook
                   ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, one process, one thread
   start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step)
+On a CUDA machine (skipped on a CPU, with a line saying so), and alone with --gpu-only (bash run.sh gpucheck):
+  GPU rows        resnet50 at 224 px: the compute limit at batch 256 in fp32, TF32, bf16 autocast, bf16 +
+                  channels_last and + torch.compile; train_single.py and amp 1 end to end on ~2,000 generated
+                  ImageNet-sized JPEGs at several --workers counts (how many loader cores keep one GPU busy); the
+                  project's and the textbook pipeline feeding the same bf16 step; GPU JPEG decoding (decode_jpeg on
+                  cuda). Each row has a time limit, and rows that no longer fit --gpu-budget are skipped and named.
 The scripts run as they are; throughput is parsed from their progress lines ("... R img/s ..."), the first steps
 dropped as warm-up: steady-state images / training time, start-up, evaluation and checkpoints excluded. All runs are
 repeated (--repeats, default 3) and interleaved, the runs compared by a ratio next to each other; every figure is
@@ -44,6 +50,10 @@ MODEL, IMG_SIZE, BATCH = "resnet18", 64, 32
 PROGRESS = re.compile(r"epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s+loss \S+\s+lr \S+\s+([\d.]+) img/s")
 RESULT_TAG = "BENCH-RESULT "
 IMPORTED_TAG = "BENCH-IMPORTED"
+GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batch: fills a GPU, not an H200's memory
+GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
+GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last")
+GPU_LIMIT_STEPS = (5, 20)  # warm-up (cuDNN's search; the compilation) and measured steps, whatever --quick says
 TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0, "startup_s": 1.0}
 
 
@@ -149,6 +159,145 @@ def split_worker(threads, num_classes, warmup, steps, barrier, done, rates):
     rates.put(steps * BATCH / (time.perf_counter() - start))
     while not done.is_set():
         step()
+
+
+# ------------------------------------------------------------------------------------------ children: GPU rows
+def gpu_limit_child(opts):
+    """resnet50's training step on tensors already on the GPU, in each mode asked for, one after the other."""
+    import torch
+    if not torch.cuda.is_available():
+        print(RESULT_TAG + json.dumps({"cuda": False}), flush=True)
+        return
+    warmup, steps = GPU_LIMIT_STEPS
+    result = {"cuda": True, "gpu": torch.cuda.get_device_name(0)}
+    for mode in opts.child_gpu_limit:
+        result[mode] = gpu_step_rate(torch, mode, warmup, steps)
+        torch.cuda.empty_cache()
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def gpu_step_rate(torch, mode, warmup, steps):
+    import torch.nn.functional as F
+    import torchvision
+    # fp32 means fp32: cuDNN allows TF32 for convolutions by default (torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode != "fp32"
+    torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN time its algorithms once
+    layout = torch.channels_last if mode in ("bf16_channels_last", "compile") else torch.contiguous_format
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(GPU_MODEL, num_classes=1000).cuda().to(memory_format=layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(GPU_BATCH, 3, GPU_IMG, GPU_IMG, device="cuda").to(memory_format=layout)
+    labels = torch.randint(0, 1000, (GPU_BATCH,), device="cuda")
+    forward = torch.compile(model) if mode == "compile" else model
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode not in ("fp32", "tf32")):
+            loss = F.cross_entropy(forward(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    started = time.perf_counter()
+    for _ in range(warmup):  # cuDNN's algorithm search, and for "compile" the compilation itself
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return {"img_s": steps * GPU_BATCH / (time.perf_counter() - start), "warmup_s": start - started,
+            "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def gpu_jpegs_child(opts):
+    """GPU_JPEGS ImageNet-sized JPEGs (500 x 375, quality 90) in 10 class folders, written by every core."""
+    import multiprocessing
+    folder = Path(opts.child_gpu_jpegs)
+    for label in range(10):
+        (folder / f"class{label}").mkdir(parents=True, exist_ok=True)
+    with multiprocessing.get_context("fork").Pool() as pool:
+        sizes = pool.map(write_jpeg, [(folder, i) for i in range(GPU_JPEGS)], chunksize=25)
+    print(RESULT_TAG + json.dumps({"images": len(sizes), "mean_kb": statistics.mean(sizes) / 1024}), flush=True)
+
+
+def write_jpeg(job):
+    """A smooth random picture with fine noise: compresses to roughly a photo's size, not to a flat colour's."""
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+    folder, i = job
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(i)
+    coarse = torch.rand(1, 3, 6, 8, generator=generator)
+    picture = F.interpolate(coarse, size=(375, 500), mode="bicubic", align_corners=False)[0]
+    picture = (picture + 0.08 * torch.randn(3, 375, 500, generator=generator)).clamp(0, 1)
+    path = folder / f"class{i % 10}" / f"{i:05d}.jpg"
+    Image.fromarray((picture * 255).byte().permute(1, 2, 0).numpy()).save(path, quality=90)
+    return path.stat().st_size
+
+
+def gpu_feed_child(opts):
+    """The bf16 resnet50 step fed by one pipeline's DataLoader (project: utils.ImageFiles, uint8 tensors
+    normalised on the GPU; textbook: ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize)."""
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+    sys.path.insert(0, str(REPO))
+    import utils
+    pipeline, workers, folder = opts.child_gpu_feed
+    warmup, steps = 4, 12
+    _, train, _ = utils.find_images(folder, 0.2)
+    if pipeline == "project":  # asked for (epoch, index), as the scripts' EpochSampler does
+        dataset = utils.ImageFiles(train, GPU_IMG, train=True, seed=0)
+        order = utils.EpochSampler(torch.utils.data.RandomSampler(dataset))
+    else:
+        dataset = torchvision.datasets.ImageFolder(folder, T.Compose([
+            T.RandomResizedCrop(GPU_IMG), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
+        order = torch.utils.data.RandomSampler(dataset)
+    loader = DataLoader(dataset, GPU_E2E_BATCH, sampler=order, num_workers=int(workers), pin_memory=True,
+                        drop_last=True, persistent_workers=True)
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.get_model(GPU_MODEL, num_classes=10).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    done, start = 0, None
+    while done < warmup + steps:
+        for images, labels in loader:
+            if done == warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            images, labels = images.cuda(non_blocking=True), labels.cuda(non_blocking=True)
+            if images.dtype == torch.uint8:
+                images = utils.normalize(images)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done += 1
+            if done == warmup + steps:
+                break
+    torch.cuda.synchronize()
+    print(RESULT_TAG + json.dumps({"img_s": steps * GPU_E2E_BATCH / (time.perf_counter() - start)}), flush=True)
+
+
+def gpu_decode_child(opts):
+    """torchvision.io.decode_jpeg(device="cuda") on batches of the generated JPEGs' bytes (nvJPEG), img/s."""
+    import torch
+    import torchvision.io as io
+    files = sorted(Path(opts.child_gpu_decode).rglob("*.jpg"))[:256]
+    data = [io.read_file(str(path)) for path in files]
+    batch = 64
+    batches = [data[i:i + batch] for i in range(0, len(data) - batch + 1, batch)]
+    for chunk in batches[:2]:  # warm-up: nvJPEG's handles and buffers
+        io.decode_jpeg(chunk, device="cuda")
+    torch.cuda.synchronize()
+    start, images = time.perf_counter(), 0
+    for _ in range(5):
+        for chunk in batches:
+            images += len(io.decode_jpeg(chunk, device="cuda"))
+    torch.cuda.synchronize()
+    print(RESULT_TAG + json.dumps({"img_s": images / (time.perf_counter() - start), "batch": batch}), flush=True)
 
 
 def ddp_buckets(torch, utils, num_classes):
@@ -351,11 +500,11 @@ def child_env(threads):
     return env
 
 
-def run_child(opts, what, threads, *args):
+def run_child(opts, what, threads, *args, timeout=None):
     """Run this script as a measuring child; its result line as a dict, plus the lines it printed (timed)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args, "--limit", *map(str, opts.limit),
            "--timeout", str(opts.timeout)]
-    code, lines, stderr, others, wall = run_process(cmd, child_env(threads), opts.timeout)
+    code, lines, stderr, others, wall = run_process(cmd, child_env(threads), timeout or opts.timeout)
     found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
     if code != 0 or not found:
         raise RuntimeError(f"the {what} failed (exit {code}):\n{stderr[-3000:]}")
@@ -471,6 +620,88 @@ def plan(opts, info, threads, nproc, tmp):
     return {name: go for name, go in runs.items() if go is not None}
 
 
+# ------------------------------------------------------------------------------------------ parent: GPU rows
+def gpu_rows(opts, cores, threads, tmp):
+    """The GPU rows, the most telling first, each within its own time limit; a row that no longer fits in
+    --gpu-budget is skipped and named, so the whole part ends in time. {"skipped_all": why} without CUDA.
+
+    The limits are guesses for one H200 with 16 cores (no GPU has run this yet): a few times the expected
+    time of each row (a training run ~12 s, four precisions ~40 s), and for torch.compile a cold compile of
+    resnet50's forward and backward (~1-2 min), which is why it comes last."""
+    deadline = time.perf_counter() + opts.gpu_budget
+    opts.limit = opts.limit or (2, 5, 5, 20)  # --limit is passed on to every child; the GPU children set their own
+    rows, skipped = [], []
+
+    def fits(what, limit):
+        left = deadline - time.perf_counter()
+        if left < limit:
+            skipped.append(f"{what}: {left:.0f} s of --gpu-budget left, and it may take {limit} s")
+        return left >= limit
+
+    def child(what, limit, *args):
+        if not fits(what, limit):
+            return None
+        try:
+            return run_child(opts, what, threads, *args, timeout=limit)[0]
+        except RuntimeError as error:  # a failure or a timeout: say so, and go on with the next row
+            skipped.append(f"{what}: {str(error).strip().splitlines()[0]}")
+            return None
+
+    limits = child("GPU compute limit", 90, "--child-gpu-limit", *GPU_LIMIT_MODES)
+    if limits and not limits["cuda"]:
+        return {"skipped_all": "no CUDA GPU on this machine"}
+    for mode in GPU_LIMIT_MODES:
+        rows.append({"row": f"compute limit {mode}, batch {GPU_BATCH}",
+                     **(limits[mode] if limits else {"img_s": None})})
+
+    jpegs = tmp / "jpegs"
+    made = child("ImageNet-sized JPEGs", 45, "--child-gpu-jpegs", str(jpegs))
+    workers = [w for w in GPU_WORKERS if w <= cores] or [max(1, cores - 1)]
+    py = sys.executable
+    for name, launcher, script in (("train_single.py", [py], "train_single.py"),
+                                   ("amp 1 (bf16)", [py, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node=1"], "train_ddp_amp.py")):
+        for count in workers:
+            what, img_s = f"{name} --workers {count}", None
+            if made and fits(what, 45):
+                out = tmp / f"gpu-{script}-{count}"
+                cmd = launcher + [script, "--data-path", str(jpegs), "--model", GPU_MODEL, "--img-size",
+                                  str(GPU_IMG), "-b", str(GPU_E2E_BATCH), "--workers", str(count), "--epochs", "1",
+                                  "--print-freq", "2", "--output-dir", str(out)]
+                try:  # 16 steps of 96 per epoch: 4 of warm-up, 12 measured, then stopped
+                    img_s = run_training(cmd, child_env(threads), GPU_E2E_BATCH, 4, 12, 2, False, out, 45)["img_s"]
+                except RuntimeError as error:
+                    skipped.append(f"{what}: {str(error).strip().splitlines()[-1]}")
+                shutil.rmtree(out, ignore_errors=True)
+            rows.append({"row": f"{what}, {GPU_IMG} px, batch {GPU_E2E_BATCH}", "img_s": img_s})
+    for pipeline in ("project", "textbook"):
+        fed = made and child(f"{pipeline} pipeline feeding the bf16 step", 45, "--child-gpu-feed", pipeline,
+                             str(workers[-1]), str(jpegs))
+        rows.append({"row": f"{pipeline} pipeline, {workers[-1]} workers, feeding the bf16 step",
+                     "img_s": fed["img_s"] if fed else None})
+    decoded = made and child("GPU JPEG decode", 30, "--child-gpu-decode", str(jpegs))
+    rows.append({"row": "decode_jpeg(device=\"cuda\"), batches of 64 (500 x 375)",
+                 "img_s": decoded["img_s"] if decoded else None})
+    compiled = child("torch.compile compute limit", 150, "--child-gpu-limit", "compile")
+    rows.append({"row": f"compute limit bf16_channels_last + torch.compile, batch {GPU_BATCH}",
+                 **(compiled["compile"] if compiled else {"img_s": None})})
+    return {"model": GPU_MODEL, "img_size": GPU_IMG, "jpegs": made, "workers": workers, "rows": rows,
+            "skipped": skipped, "budget_s": opts.gpu_budget}
+
+
+def gpu_table(gpu):
+    if "skipped_all" in gpu:
+        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px: precisions, torch.compile, loader cores, GPU JPEG "
+                f"decode): skipped, {gpu['skipped_all']} (bash run.sh gpucheck runs them on a GPU machine)")
+    lines = ["", f"# GPU rows: {gpu['model']}, {gpu['img_size']} px", "", "| run | img/s | warm-up s | max GiB |",
+             "|---|---:|---:|---:|"]
+    for row in gpu["rows"]:
+        cells = [row.get(key) for key in ("img_s", "warmup_s", "max_memory_gib")]
+        lines.append(f"| {row['row']} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in cells) + " |")
+    lines += [f"- not measured: {why}" for why in gpu["skipped"]]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ parent: main
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -488,8 +719,14 @@ def main():
     parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                         help="on a shared machine: before each run, wait up to SECONDS for other processes to use "
                         "under 0.15 cores (each run's 'other load' is reported either way)")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (bash run.sh gpucheck)")
+    parser.add_argument("--gpu-budget", type=int, default=420, help="seconds for all the GPU rows together")
     # the probe children (internal)
     parser.add_argument("--child-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-gpu-limit", nargs="+", help=argparse.SUPPRESS)  # modes
+    parser.add_argument("--child-gpu-jpegs", help=argparse.SUPPRESS)  # folder
+    parser.add_argument("--child-gpu-feed", nargs=3, help=argparse.SUPPRESS)  # pipeline, workers, folder
+    parser.add_argument("--child-gpu-decode", help=argparse.SUPPRESS)  # folder
     parser.add_argument("--child-split", type=int, nargs=3, help=argparse.SUPPRESS)  # processes, threads, classes
     parser.add_argument("--limit", type=int, nargs=4, help=argparse.SUPPRESS)  # warm-up, steps: CPU, then GPU
     parser.add_argument("--loader-batches", type=int, help=argparse.SUPPRESS)
@@ -498,6 +735,10 @@ def main():
         return probe_child(opts)
     if opts.child_split:
         return split_child(opts)
+    for name, run in (("child_gpu_limit", gpu_limit_child), ("child_gpu_jpegs", gpu_jpegs_child),
+                      ("child_gpu_feed", gpu_feed_child), ("child_gpu_decode", gpu_decode_child)):
+        if getattr(opts, name):
+            return run(opts)
 
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # so that the run in progress is ended too
@@ -511,7 +752,10 @@ def main():
     meter = CpuMeter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
-        results = measure(opts, cores, threads, repeats, tmp)
+        results = {"machine": {}} if opts.gpu_only else measure(opts, cores, threads, repeats, tmp)
+        # on a CPU the probe already said there is no GPU: no process started to find out again
+        cuda = opts.gpu_only or results["config"]["device"] == "cuda"
+        results["gpu"] = gpu_rows(opts, cores, threads, tmp) if cuda else {"skipped_all": "no CUDA GPU on this machine"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["machine"].update(load_before=load_before, other_cores_during=meter.other_cores(UNREAPED[0]),
@@ -520,7 +764,9 @@ def main():
     output_dir = Path(opts.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
+    if not opts.gpu_only:
+        print(table(results))
+    print(gpu_table(results["gpu"]))
     print(f"\nbench.json in {output_dir}; {results['wall_s']:.0f}s in all")
 
 
