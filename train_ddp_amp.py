@@ -181,18 +181,23 @@ def main(args):
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: stop_signal.append(signum))
 
-    def stop(epoch, samples, vote):
+    def vote():  # the signal any rank has seen (0: none); a collective: every rank calls it at the same point
+        seen = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        return int(seen.item())  # waits for the device: on a GPU its queue of work runs dry
+
+    def stop(epoch, samples, signum):
         if rank == 0:
             save(epoch, samples)
-            print(f"stopped by {signal.Signals(vote).name} after step {global_step}: checkpoint saved; continue "
+            print(f"stopped by {signal.Signals(signum).name} after step {global_step}: checkpoint saved; continue "
                   f"with --resume auto --output-dir {output_dir}", flush=True)
-        sys.exit(128 + vote)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+        sys.exit(128 + signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
 
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
-    val_acc, global_step, vote, voting = None, start_epoch * steps_per_epoch + start_step, None, None
+    val_acc, global_step = None, start_epoch * steps_per_epoch + start_step
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
         train_loader.sampler.start(epoch, start_samples)
@@ -229,22 +234,16 @@ def main(args):
             profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, samples)
-            # Every rank stops after the same step: each step starts an all-reduce of the signal this rank has seen
-            # (0: none) and reads the one started a step earlier, finished by now, so the loop does not wait for it.
-            if voting is not None and voting.wait() and vote.item():
-                stop(epoch, samples, int(vote.item()))
-            vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
-            voting = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+            # Every rank stops after the same step: the ranks vote every 10 steps (every --print-freq steps if
+            # fewer) and after the epoch's last step (the resumed run then evaluates it). Not after every step: a
+            # vote waits for the device, which on a GPU would drain its queue each step.
+            if ((step + 1) % min(args.print_freq, 10) == 0 or step + 1 == steps_per_epoch) and (signum := vote()):
+                stop(epoch, samples, signum)
         start_step, start_samples = 0, 0
-        if voting is not None and voting.wait() and vote.item():
-            stop(epoch, samples, int(vote.item()))  # after the epoch's last step: the resumed run evaluates it
-        voting = None
 
         val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes), stop_signal)
-        vote = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        if vote.item():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
-            stop(epoch, samples, int(vote.item()))
+        if signum := vote():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
+            stop(epoch, samples, signum)
         log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)

@@ -653,9 +653,12 @@ class Profiler:
     def report(self, profile):
         profile.export_chrome_trace(str(self.output_dir / "trace.json"))
         totals, busy, end = {"step": 0.0, "data": 0.0, "communication": 0.0}, [], 0.0
+        steps, reads = 0, 0  # reads: .item() of a tensor; on a GPU the host waits until the device has run all it has
         for event in profile.events():
             name = event.name.lower()
+            reads += name == "aten::_local_scalar_dense"
             if name.startswith("profilerstep"):
+                steps += 1
                 totals["step"] += event.cpu_time_total
             elif name.startswith("enumerate(dataloader)"):
                 totals["data"] += event.cpu_time_total
@@ -674,4 +677,5 @@ class Profiler:
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
         print(f"profile: waiting for data {100 * totals['data'] / step:.1f}% of the step time, communication "
               f"{100 * totals['communication'] / step:.1f}% (may overlap compute; keep it under ~15%), peak memory "
-              f"{peak}; trace in {self.output_dir / 'trace.json'}", flush=True)
+              f"{peak}, {reads / max(steps, 1):.2f} host reads of device values (syncs) per step; trace in "
+              f"{self.output_dir / 'trace.json'}", flush=True)
