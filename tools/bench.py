@@ -569,7 +569,7 @@ def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, 
 # ------------------------------------------------------------------------------------------ parent: plan
 def plan(opts, info, threads, nproc, tmp):
     """The training runs of one repetition: name -> function(rep) returning a run record."""
-    cuda, py = info["cuda"], sys.executable
+    py = sys.executable
     per_proc = max(1, threads // nproc)
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     train = info["train_images"]

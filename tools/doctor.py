@@ -340,7 +340,7 @@ def check_port(report):
         message = "MASTER_PORT not set: torchrun --standalone (bash run.sh ddp) picks a free port"
         if busy:
             report.add("port", "warn", message + f"; the default {DEFAULT_PORT} is in use",
-                       f"launches without --standalone need another port: MASTER_PORT=29501 or --master-port",
+                       "launches without --standalone need another port: MASTER_PORT=29501 or --master-port",
                        port=None, default_port_free=False)
         else:
             report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None,
