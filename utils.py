@@ -71,7 +71,8 @@ def get_args_parser(description):
     parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N optimizer steps")
     parser.add_argument("--test-only", action="store_true", help="only evaluate the checkpoint given by --resume")
-    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints")
+    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints, "
+                        "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once")
     parser.add_argument("--freeze", action="store_true",
                         help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
