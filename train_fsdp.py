@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -354,3 +355,9 @@ if __name__ == "__main__":
             # or the group outlives destroy_process_group() and its gloo threads can abort the exit (1 run in 8 here)
             gc.collect()
             dist.destroy_process_group()
+            # Even then torch 2.14 keeps the group: each DeviceMesh holds it in _pg_registry (device_mesh.py), and
+            # DTensor's caches hold FSDP's meshes, so gloo's threads were torn down while the interpreter exited,
+            # which aborted it now and then (SIGABRT, "terminate called without an active exception": 2 of ~145
+            # launches here). Drop those references too, and the group goes now.
+            for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+                mesh._pg_registry.clear()
