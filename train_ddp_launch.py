@@ -182,21 +182,19 @@ def evaluate(model, loader, device, num_classes):
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     for images, labels in loader:
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        predicted = logits.argmax(dim=1)
-        totals[1] += (predicted == labels).sum()
-        totals[2] += labels.numel()
-        confusion.view(-1).index_add_(0, labels * num_classes + predicted, torch.ones_like(labels))  # no host sync
-    dist.all_reduce(totals)  # sum of the ranks' sums
+        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+        confusion.view(-1).index_add_(0, labels * num_classes + logits.argmax(dim=1), torch.ones_like(labels))
+    dist.all_reduce(loss_sum)  # sums of the ranks' sums
     dist.all_reduce(confusion)
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count), confusion.cpu()
+    confusion = confusion.cpu()
+    count = int(confusion.sum())  # every prediction; the right ones are the diagonal
+    return loss_sum.item() / count, confusion.trace().item() / count, count, confusion
 
 
 if __name__ == "__main__":

@@ -135,19 +135,17 @@ def main(args):
 def evaluate(model, loader, device, num_classes):
     """Loss, top-1 accuracy and confusion matrix over every validation image exactly once."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, correct, count
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     for images, labels in loader:
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        predicted = logits.argmax(dim=1)
-        totals[1] += (predicted == labels).sum()
-        totals[2] += labels.numel()
-        confusion.view(-1).index_add_(0, labels * num_classes + predicted, torch.ones_like(labels))  # no host sync
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count), confusion.cpu()
+        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+        confusion.view(-1).index_add_(0, labels * num_classes + logits.argmax(dim=1), torch.ones_like(labels))
+    confusion = confusion.cpu()
+    count = int(confusion.sum())  # every prediction; the right ones are the diagonal
+    return loss_sum.item() / count, confusion.trace().item() / count, count, confusion
 
 
 if __name__ == "__main__":
