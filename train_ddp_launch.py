@@ -5,8 +5,6 @@ train_single.py plus DDP, started by the classic launcher (torchrun is the next 
 The launcher passes --local-rank=N to each process and sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 """
 import os
-import signal
-import sys
 import time
 from datetime import timedelta
 
@@ -21,20 +19,14 @@ import utils
 
 def main(args):
     start_time = time.time()
-    if "RANK" not in os.environ:
-        raise utils.UsageError("start this script with a launcher, which runs one process per device: bash run.sh"
-                               " launch [N], or python -m torch.distributed.launch --nproc-per-node=N "
-                               "train_ddp_launch.py")
+    utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
     output_dir, resume = utils.resolve_run(args, __file__)
 
     # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.type == "cuda":
-        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
-            raise utils.UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
-                                   f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+    if device.type == "cuda":  # the GPU of this process's local rank
         device = torch.device("cuda", args.local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # gloo: the CPU backend
@@ -54,19 +46,15 @@ def main(args):
     val_set = Subset(val_set, range(rank, len(val_set), world_size))
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
     steps_per_epoch = len(train_loader)
+    epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
                                f"({len(train_loader.sampler)}); lower it")
 
-    # Model. --weights DEFAULT: local rank 0 downloads torchvision's weights into the hub cache while the node's
-    # other ranks wait, then they read the cached file (nodes that share one cache each download it once; torch.hub
-    # renames a complete download into place, so they cannot clash).
+    # Model
     torch.manual_seed(args.seed)
-    if args.local_rank > 0:
-        dist.barrier()
-    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
-    if args.local_rank == 0:
-        dist.barrier()
+    with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
+        model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -86,15 +74,15 @@ def main(args):
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
-                       f"{len(train_sampler) * world_size} samples (at global batch {checkpoint['global_batch']})")
+                       f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes=classes, training_images=len(train_samples),
-                             validation_images=len(val_samples), resume_point=(start_epoch, start_samples))
-    # The first step to run: the same samples are done whatever the world size and batch that did them, and this
-    # run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
-    start_step = steps_per_epoch - (len(train_sampler) * world_size - start_samples) // global_batch
+    utils.same_on_every_rank(classes, train_samples, val_samples, resume_point=(start_epoch, start_samples))
+    # The first step to run: the samples done are the same whatever the batch size and processes that did
+    # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
+        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
               f"{len(classes)} classes; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes; "
@@ -103,11 +91,7 @@ def main(args):
     if args.test_only:
         val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes))
         if rank == 0:
-            results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
-                       **utils.class_results(confusion, classes)}
-            utils.write_json(output_dir / "results.json", results)
-            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
-                  f"{utils.weakest_classes(results['per_class_acc'])}")
+            utils.report_test(output_dir, resume, classes, val_loss, val_acc, val_count, confusion)
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
@@ -116,8 +100,6 @@ def main(args):
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
-    if rank == 0:
-        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     log.add_training_images(train_set, start_epoch)
@@ -173,12 +155,10 @@ def main(args):
 
 @torch.no_grad()
 def evaluate(model, loader, device, num_classes):
-    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once, summed over all ranks.
-
-    Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
-    running a different number of evaluation batches."""
-    # DDP copies rank 0's buffers to the other ranks only at the start of a training forward pass, so each rank's
-    # BatchNorm statistics still hold its own last batch: evaluate every slice with rank 0's, the ones it saves.
+    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once."""
+    # The unwrapped model: a DDP forward would sync buffers while the ranks run different numbers of batches. DDP
+    # copies rank 0's buffers only at a training forward, so each rank's BatchNorm statistics are from its own last
+    # batch: evaluate every slice with rank 0's, the ones it saves.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
@@ -204,22 +184,6 @@ if __name__ == "__main__":
                         help="set by the launcher (or LOCAL_RANK, under torchrun and --use-env)")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
-    try:
+    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
-    except utils.UsageError as error:
-        # Every rank checks the same input, so local rank 0 reports it, once per node (nodes may see different
-        # disks); a bad image is known only where it was read.
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
-            print(f"error: {error}", file=sys.stderr)
-        else:  # wait for local rank 0 to print it: the launcher stops every rank as soon as one of them fails
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(10)
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line instead of a traceback from each
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
-                  "folder>", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()  # (one_line_errors() destroys it on every other exit)

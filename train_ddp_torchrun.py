@@ -7,17 +7,12 @@ last checkpoint, and multi-node rendezvous; plus --sync-bn and gradient accumula
 """
 import contextlib
 import os
-import signal
-import sys
 import time
-import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -26,45 +21,19 @@ import utils
 
 def main(args):
     start_time = time.time()
-    if "RANK" not in os.environ:
-        raise utils.UsageError("start this script with torchrun, which runs one process per device: "
-                               "bash run.sh ddp [N], or torchrun --standalone --nproc-per-node=N train_ddp_torchrun.py")
+    utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
-    # torchrun --max-restarts reruns this same command after a failure; the new processes continue from the last
-    # checkpoint, so the output folder must be the same for every attempt: the run id is. Whether to resume is
-    # decided by the checkpoint's run id, not by TORCHELASTIC_RESTART_COUNT: each node's agent counts only its own
-    # failures, and a node restarted because another one failed (or a replacement node) still says 0.
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        args.output_dir = args.output_dir or f"runs/{Path(__file__).stem}-{run_id}"
-        last = Path(args.output_dir) / "last.pt"
-        if last.exists() and utils.load_file(last, "--resume").get("run_id") == run_id:
-            args.resume = "auto"
+    run_id = utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
     output_dir, resume = utils.resolve_run(args, __file__)
 
-    # DDP: one process per device. torchrun's environment tells each process its ranks and the master's address.
+    # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])  # the process's index on its node: which GPU it drives
-    if device.type == "cuda":
-        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
-            raise utils.UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
-                                   f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+    if device.type == "cuda":  # the GPU of this process's local rank
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    # By default torchrun's agent serves one store (MASTER_ADDR:MASTER_PORT) for every attempt of the job, and
-    # torch 2.14 gives no attempt keys of its own: a restarted group can read the dead group's and fail ("Gloo
-    # connectFullMesh failed", or a hang; 4 of 5 restarts here). run.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
-    # rank 0 then serves a fresh store for each attempt. With the shared store, a key prefix per restart works on
-    # one node only, since each agent counts its own restarts (torch/distributed/elastic/agent/server/api.py).
-    store = None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
-            raise utils.UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                                   "environment (run.sh sets it), or the restarted nodes may never meet again")
-        store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=timedelta(seconds=args.dist_timeout)))
+    store = utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
 
@@ -83,19 +52,15 @@ def main(args):
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             worker_init_fn=utils.ignore_stop_signals)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
+    epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
                                f"training images per process ({len(train_loader.sampler)}); lower either")
 
-    # Model. --weights DEFAULT: local rank 0 downloads torchvision's weights into the hub cache while the node's
-    # other ranks wait, then they read the cached file (nodes that share one cache each download it once; torch.hub
-    # renames a complete download into place, so they cannot clash).
+    # Model
     torch.manual_seed(args.seed)
-    if local_rank > 0:
-        dist.barrier()
-    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
-    if local_rank == 0:
-        dist.barrier()
+    with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
+        model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
     if args.sync_bn and device.type == "cuda":
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -103,12 +68,7 @@ def main(args):
         print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    allreduces = [0]  # counted by a communication hook, to show that no_sync() skips them
-
-    def counted_allreduce(state, bucket):
-        allreduces[0] += 1
-        return default_hooks.allreduce_hook(None, bucket)
-    model.register_comm_hook(None, counted_allreduce)
+    allreduces = utils.count_allreduces(model)  # to show that no_sync() skips them
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
     global_batch = args.batch_size * world_size * args.accum_steps
@@ -126,15 +86,15 @@ def main(args):
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
-                       f"{len(train_sampler) * world_size} samples (at global batch {checkpoint['global_batch']})")
+                       f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes=classes, training_images=len(train_samples),
-                             validation_images=len(val_samples), resume_point=(start_epoch, start_samples))
-    # The first step to run: the same samples are done whatever the world size and batch that did them, and this
-    # run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
-    start_step = steps_per_epoch - (len(train_sampler) * world_size - start_samples) // global_batch
+    utils.same_on_every_rank(classes, train_samples, val_samples, resume_point=(start_epoch, start_samples))
+    # The first step to run: the samples done are the same whatever the batch size and processes that did
+    # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
+        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
               f"{len(classes)} classes; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
@@ -144,39 +104,23 @@ def main(args):
     if args.test_only:
         val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes))
         if rank == 0:
-            results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
-                       **utils.class_results(confusion, classes)}
-            utils.write_json(output_dir / "results.json", results)
-            print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
-                  f"{utils.weakest_classes(results['per_class_acc'])}")
+            utils.report_test(output_dir, resume, classes, val_loss, val_acc, val_count, confusion)
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "rng": torch.get_rng_state(), "epoch": epoch, "samples": samples,
-                               "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
+                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "samples": samples, "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
-    if rank == 0:
-        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-    # Preemption: SLURM and cloud schedulers send SIGTERM, then SIGKILL after a grace period; Ctrl-C sends SIGINT.
-    # torchrun forwards them to every worker (SLURM and a terminal reach every process of the job themselves).
-    # Note the signal; every rank then stops after the same step, rank 0 saves, and --resume auto continues.
-    stop_signal = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: stop_signal.append(signum))
+    # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
+    # stop after the same step, rank 0 saves there, and --resume auto continues.
+    stop = utils.StopOnSignal(device, every=min(args.print_freq, 10))
 
-    def vote():  # the signal any rank has seen (0: none); a collective: every rank calls it at the same point
-        seen = torch.full((1,), stop_signal[-1] if stop_signal else 0, device=device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        return int(seen.item())  # waits for the device: on a GPU its queue of work runs dry
-
-    def stop(epoch, samples, signum):
+    def stop_here(epoch, samples):
         if rank == 0:
             save(epoch, samples)
-            print(f"stopped by {signal.Signals(signum).name} after step {global_step}: checkpoint saved; continue "
-                  f"with --resume auto --output-dir {output_dir}", flush=True)
-        sys.exit(128 + signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+        stop.exit(global_step, output_dir)  # one line; exit status 128 + the signal
 
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
@@ -213,16 +157,13 @@ def main(args):
             profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, samples)
-            # Every rank stops after the same step: the ranks vote every 10 steps (every --print-freq steps if
-            # fewer) and after the epoch's last step (the resumed run then evaluates it). Not after every step: a
-            # vote waits for the device, which on a GPU would drain its queue each step.
-            if ((step + 1) % min(args.print_freq, 10) == 0 or step + 1 == steps_per_epoch) and (signum := vote()):
-                stop(epoch, samples, signum)
+            if stop.agreed(step, steps_per_epoch):  # a vote every 10 steps and after the epoch's last
+                stop_here(epoch, samples)
         start_step, start_samples = 0, 0
 
-        val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes), stop_signal)
-        if signum := vote():  # a signal during the evaluation cut it short: save, and evaluate this epoch on resume
-            stop(epoch, samples, signum)
+        val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes), stop)
+        if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
+            stop_here(epoch, samples)
         log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
         is_best = val_acc > best_acc
         best_acc = max(best_acc, val_acc)
@@ -236,32 +177,30 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "allreduces": allreduces[0],
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "allreduces": allreduces.count,
                "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s, {allreduces[0]} gradient all-reduces (buckets x optimizer steps)\n"
+          f"{results['train_img_per_s']:.1f} img/s, {allreduces.count} gradient all-reduces (buckets x steps)\n"
           f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes, stop_signal=()):
-    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once, summed over all ranks.
-
-    Called with the unwrapped model: a DDP forward would sync buffers with the other ranks, which may be
-    running a different number of evaluation batches. Returns early, with partial sums, once a stop signal came."""
-    # DDP copies rank 0's buffers to the other ranks only at the start of a training forward pass, so each rank's
-    # BatchNorm statistics still hold its own last batch: evaluate every slice with rank 0's, the ones it saves.
+def evaluate(model, loader, device, num_classes, stop=None):
+    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once."""
+    # The unwrapped model: a DDP forward would sync buffers while the ranks run different numbers of batches. DDP
+    # copies rank 0's buffers only at a training forward, so each rank's BatchNorm statistics are from its own last
+    # batch: evaluate every slice with rank 0's, the ones it saves.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
     for images, labels in utils.start_workers(loader):
-        if stop_signal:  # preempted: the caller saves within seconds instead of finishing the evaluation
+        if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
             break
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
@@ -281,25 +220,6 @@ if __name__ == "__main__":
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
-    try:
-        args = parser.parse_args()
-        if args.accum_steps < 1:
-            raise utils.UsageError(f"--accum-steps must be 1 or more, got {args.accum_steps}")
-        main(args)
-    except utils.UsageError as error:
-        # Every rank checks the same input, so local rank 0 reports it, once per node (nodes may see different
-        # disks); a bad image is known only where it was read.
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0 or isinstance(error, utils.BadImageError):
-            print(f"error: {error}", file=sys.stderr)
-        else:  # wait for local rank 0 to print it: the launcher stops every rank as soon as one of them fails
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(10)
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before training started (in training, main() stops cleanly)
-        sys.exit(130)
-    except Exception:  # e.g. another rank died mid-collective: end now, not when torchrun's SIGKILL comes 30 s later
-        traceback.print_exc()  # (an uncaught error would keep the loaders alive until exit, and Python's exit
-        sys.exit(1)  # handler would then wait forever for their workers, which ignore SIGTERM)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
+        main(parser.parse_args())
+        dist.destroy_process_group()  # (one_line_errors() destroys it on every other exit)

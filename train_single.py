@@ -4,7 +4,6 @@ The base of the collection: every other train_*.py is this script plus one idea,
     python train_single.py                               # built-in demo data
     python train_single.py --data-path flower_photos     # a folder of class sub-folders
 """
-import sys
 import time
 
 import torch
@@ -31,6 +30,7 @@ def main(args):
                               persistent_workers=args.workers > 0)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
     steps_per_epoch = len(train_loader)
+    epoch_samples = len(train_sampler)  # one epoch's samples
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
                                f"({len(train_loader.sampler)}); lower it")
@@ -55,11 +55,12 @@ def main(args):
             torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
-                       f"{len(train_sampler)} samples (at global batch {checkpoint['global_batch']})")
-    # The first step to run: the same samples are done whatever the batch size that did them, and this run's
-    # steps (its LR schedule, logs and checkpoints) count in its own global batch.
-    start_step = steps_per_epoch - (len(train_sampler) - start_samples) // global_batch
+                       f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
+    # The first step to run: the samples done are the same whatever the batch size and processes that did
+    # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
+    start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     output_dir.mkdir(parents=True, exist_ok=True)
+    utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
           f"{len(classes)} classes; output in {output_dir}\n"
           f"global batch {global_batch} = {args.batch_size} per step; "
@@ -67,11 +68,7 @@ def main(args):
 
     if args.test_only:
         val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
-        results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(resume),
-                   **utils.class_results(confusion, classes)}
-        utils.write_json(output_dir / "results.json", results)
-        print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
-              f"{utils.weakest_classes(results['per_class_acc'])}")
+        utils.report_test(output_dir, resume, classes, val_loss, val_acc, val_count, confusion)
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
@@ -80,7 +77,6 @@ def main(args):
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
-    utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1)
     log.add_training_images(train_set, start_epoch)
@@ -150,11 +146,5 @@ def evaluate(model, loader, device, num_classes):
 
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
-    try:
+    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
-    except utils.UsageError as error:
-        sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback; the last checkpoint is intact
-        print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
-              "folder>", file=sys.stderr)
-        sys.exit(130)

@@ -1,18 +1,21 @@
-"""Helpers shared unchanged by every train_*.py script: arguments, data, model, checkpoints, logging.
-
-What differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts.
-"""
+"""Helpers that the train_*.py scripts share unchanged. What differs between them (devices, process groups,
+samplers, the training loop) lives in the scripts; each robustness concern lives here once, behind one call."""
 import argparse
 import array
 import contextlib
+import datetime
 import gc
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import signal
+import sys
 import time
+import traceback
+import types
 import urllib.parse
 from pathlib import Path
 
@@ -28,19 +31,16 @@ DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
 
-# torch and torchvision, imported by now, live until the process exits: take their ~300,000 objects out of the garbage
-# collector's passes. That saves start-up time (a full pass over them took 0.16 s here) and keeps forked DataLoader
-# workers from touching, and so copying, the pages that hold them.
+# torch's and torchvision's ~300,000 objects live until exit: keep them out of the garbage collector's passes (start-up
+# time, and forked loader workers would otherwise touch, and so copy, the pages that hold them)
 gc.freeze()
 
 
 class UsageError(Exception):
-    """Bad input. The scripts print its message as one line, without a traceback, and exit with status 1."""
+    """Bad input: one line, no traceback, exit status 1 (see one_line_errors)."""
 
     def __init__(self, message):
-        # A DataLoader worker re-raises our error in the main process with the worker's traceback in the
-        # message; keep only our own last line.
-        if "Traceback" in message:
+        if "Traceback" in message:  # re-raised from a loader worker, its traceback in the message: our line only
             message = message.strip().splitlines()[-1].split("Error: ", 1)[-1]
         super().__init__(message)
 
@@ -86,8 +86,8 @@ def get_args_parser(description):
 
 def check_args(args):
     """Validate the shared arguments and fill in the defaults that depend on the data."""
-    for name in ("epochs", "batch_size", "img_size", "print_freq"):
-        value = getattr(args, name)
+    for name in ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout"):
+        value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.workers < 0 or args.save_every < 0 or args.profile < 0:
@@ -105,27 +105,32 @@ def check_args(args):
 
 
 def get_device(requested):
-    if requested is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The training device. Under a launcher (LOCAL_RANK set) the rung then takes the GPU of its local rank."""
+    launched = "LOCAL_RANK" in os.environ
     try:
-        device = torch.device(requested)
+        device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         raise UsageError(f"--device {requested} is not a device name; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if launched and device.type == "cuda" and device.index is not None:  # before any rank opens a context on GPU N
+        raise UsageError(f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
+                         f"--device cuda, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise UsageError(f"--device {requested}: this machine has no usable CUDA GPU; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if launched and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
+        raise UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
+                         f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
+    if (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
-    if device.index is not None and device.type == "cuda":
+    if device.index is not None:
         torch.cuda.set_device(device)  # else pinned-memory threads and the profiler work on GPU 0
     return device
 
 
 def resolve_run(args, script):
-    """Decide the output folder and the checkpoint to resume from, without touching the disk.
-
-    A run never overwrites another run's outputs: the default folder is new, and a given folder that already
-    holds a checkpoint or results is refused unless the run continues it.
-    """
+    """The output folder and the checkpoint to resume from, decided without touching the disk. A run never overwrites
+    another's outputs: the default folder is new, and a folder with a checkpoint or results is refused unless resumed."""
     stem = Path(script).stem
     if args.resume == "auto":
         output_dir = Path(args.output_dir)
@@ -158,11 +163,8 @@ def resolve_run(args, script):
 
 # ------------------------------------------------------------------------------------------------- data
 def find_images(data_path, val_fraction):
-    """Return (class names, train samples, val samples); the samples are Samples of (path, class index) pairs.
-
-    Accepts a folder of class sub-folders (split per class by val_fraction, the same split whatever --seed)
-    or a folder holding train/ and val/ class folders.
-    """
+    """(class names, train samples, val samples) from a folder of class sub-folders (split per class by val_fraction,
+    the same split whatever --seed) or a folder holding train/ and val/ class folders."""
     root = Path(data_path)
     if not root.is_dir():
         raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
@@ -213,11 +215,8 @@ def _scan_classes(root):
 
 
 class Samples:
-    """A read-only list of (path, label) pairs, packed into one bytes object and two arrays of machine integers.
-
-    A list of tuples is written to by every read (reference counts) and by garbage-collector passes (headers), so
-    each forked DataLoader worker ends up copying it: 217 MB per worker for 1.28 M ImageNet paths; packed, 1 MB.
-    """
+    """A read-only list of (path, label) pairs packed into bytes and two integer arrays: a list of tuples is written
+    to by every read (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
 
     def __init__(self, pairs):
         paths = [os.fsencode(path) for path, _ in pairs]  # fsencode/fsdecode round-trip undecodable file names
@@ -294,10 +293,14 @@ def decode_image(path):
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
 
 
+_STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from a list on a GPU waits for the copy
+
+
 def normalize(images):
     """uint8 batch -> float batch normalised with the ImageNet statistics; run it on the training device."""
-    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    if images.device not in _STATISTICS:
+        _STATISTICS[images.device] = [torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (MEAN, STD)]
+    mean, std = _STATISTICS[images.device]
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
 
@@ -305,54 +308,30 @@ class EpochSampler(torch.utils.data.Sampler):
     """Wraps a training sampler: yields (epoch, index) for ImageFiles, and can start mid-epoch after a resume."""
 
     def __init__(self, sampler):
-        self.sampler, self.epoch, self.skip = sampler, 0, 0
+        self.sampler, self.epoch, self.skip, self.length = sampler, 0, 0, len(sampler)
 
     def start(self, epoch, samples=0):
-        """Start `epoch` after the first `samples` of its shuffled order, which a checkpoint had trained on.
-
-        A DistributedSampler gives rank r the positions r, r + W, r + 2W, ... of one order shared by W ranks, so
-        the samples already seen are the same whatever the number of processes and batch size that saw them."""
+        """Start `epoch` after the first `samples` of its shuffled order. A DistributedSampler gives rank r the
+        positions r, r + W, ... of one order, so the samples seen are the same whatever the world size that saw them.
+        The ranks' skips differ by one at most: each yields as many as rank 0, so all run the same batches."""
         world_size, rank = getattr(self.sampler, "num_replicas", 1), getattr(self.sampler, "rank", 0)
         self.epoch, self.skip = epoch, max(0, samples - rank + world_size - 1) // world_size
+        self.length = max(0, len(self.sampler) - (samples + world_size - 1) // world_size)
 
     def __iter__(self):
         for position, index in enumerate(self.sampler):
-            if position >= self.skip:
+            if self.skip <= position < self.skip + self.length:
                 yield self.epoch, index
 
     def __len__(self):
-        return len(self.sampler) - self.skip
-
-
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-
-
-def ignore_stop_signals(worker_id):
-    """worker_init_fn for the scripts that stop cleanly on SIGTERM and Ctrl-C: these signals reach the loader
-    workers too (torchrun signals each rank's whole process group, SLURM every process of the job), and a worker
-    they end takes its rank down with it. The training process decides; workers still exit when it dies."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
-
-
-def start_workers(loader):
-    """iter(loader), with SIGTERM and Ctrl-C held back while it forks the loader workers: a signal that reached a
-    new worker before ignore_stop_signals() ran would end it. The held signal arrives right after."""
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return self.length
 
 
 def demo_data():
     """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
     if DEMO_DIR.is_dir():
         return DEMO_DIR
-    # Build it in a private folder and rename it into place, so that concurrent processes (DDP ranks) and a
-    # kill half-way never leave a partial dataset behind.
-    partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")
+    partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: ranks and kills leave no half dataset
     make_demo_images(partial)
     try:
         os.rename(partial, DEMO_DIR)
@@ -369,14 +348,12 @@ def make_demo_images(folder, per_class=200, size=80):
         (folder / name).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             g = torch.Generator().manual_seed(label * 100_000 + i)
-            freq, phase, radius = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g), \
-                0.2 + 0.15 * torch.rand(1, generator=g)
-            centre = 0.3 + 0.4 * torch.rand(2, generator=g)
+            freq, phase, radius, centre = (2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g),
+                                           0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g))
             wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
             distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
-            pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius,
-                       "hstripes": wave(y) > 0, "vstripes": wave(x) > 0,
-                       "rings": wave(distance) > 0}[name].float()
+            pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius, "hstripes": wave(y) > 0,
+                       "vstripes": wave(x) > 0, "rings": wave(distance) > 0}[name].float()
             background = torch.rand(3, 1, 1, generator=g)
             foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
             image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
@@ -407,9 +384,8 @@ def build_model(name, num_classes, weights=None, freeze=False):
 
 
 def load_weights(name, weights):
-    """--weights: a local file (a state dict, or one of our checkpoints), or the name of torchvision's weights for
-    the model (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2): downloaded once into the torch hub cache,
-    $TORCH_HOME/hub/checkpoints, and read from there with no network afterwards."""
+    """--weights: a local file (a state dict or one of our checkpoints), or torchvision's name for the model's weights
+    (DEFAULT, IMAGENET1K_V1, ...), downloaded once into the torch hub cache and read from there afterwards."""
     if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
         state = load_file(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
@@ -512,12 +488,119 @@ def load_checkpoint(path, model_name, classes):
     return checkpoint
 
 
-def same_on_every_rank(**facts):
-    """DDP scripts: stop on every rank, before training, if the ranks do not see the same data or resume point.
+# ------------------------------------------------------------------------------------------ how a run ends
+PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
 
-    Each node reads its own --data-path and --output-dir: a copy that differs on one node would otherwise train on
-    mismatched samples, or hang when the ranks run different numbers of steps."""
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
+    the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
+    130. A collective whose peer has gone: one line. Anything else: its traceback, exit 1. Whatever the ending, loader
+    workers are ended first: they ignore SIGTERM (ignore_stop_signals), and Python's exit would wait for them."""
+    local_rank_0 = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    try:
+        yield
+        return
+    except UsageError as error:
+        if local_rank_0 or isinstance(error, BadImageError):
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        else:  # give local rank 0 time to print it: the launcher stops every rank once one of them has failed
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10)
+        status = 1
+    except KeyboardInterrupt:
+        if local_rank_0:
+            print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
+                  "folder>", file=sys.stderr)
+        status = 130
+    except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
+        status = exit.code
+    except BaseException as error:
+        if PEER_GONE.search(str(error)):  # a consequence: the process that ended first says why
+            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended "
+                  f"({str(error).splitlines()[0][-100:]})", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        status = 1
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
+    for worker in multiprocessing.active_children():
+        worker.kill()
+    destroy_process_group()
+    sys.exit(status)
+
+
+def destroy_process_group():
+    """dist.destroy_process_group(), then let go of the group's last references so that its threads end now, not
+    while the interpreter exits (FSDP: gloo's teardown then aborted a rank now and then; see docs/fsdp.md)."""
     import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
+    dist.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh  # meshes keep their groups, and DTensor's caches the meshes
+    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+        with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
+            mesh._pg_registry.clear()
+
+
+# ---------------------------------------------------------------------------------- multi-process rungs only
+def require_launcher(script):
+    if "RANK" not in os.environ:
+        name = Path(script).name
+        mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
+        launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
+        raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
+                         f"[N], or {launcher} --nproc-per-node=N {name}")
+
+
+def resume_if_restarted(args, script):
+    """torchrun --max-restarts reruns the command after a failure: continue this job's last.pt, in the same folder
+    (named after the run id unless given). Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT:
+    each node's agent counts only its own failures. Returns the run id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        args.output_dir = args.output_dir or f"runs/{Path(script).stem}-{run_id}"
+        last = Path(args.output_dir) / "last.pt"
+        if last.exists() and load_file(last, "--resume").get("run_id") == run_id:
+            args.resume = "auto"
+    return run_id
+
+
+def restart_safe_store(timeout):
+    """init_process_group's store under torchrun. The agent's store serves every attempt of a job, and a restarted
+    group could read a dead attempt's keys and fail or hang. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run.sh sets
+    it) each attempt gets a fresh store: None. Else a key prefix per restart: right on one node only, since each
+    node's agent counts its own restarts."""
+    import torch.distributed as dist
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
+        raise UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                         "environment (run.sh sets it), or the restarted nodes may never meet again")
+    return dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=timeout)))
+
+
+@contextlib.contextmanager
+def local_rank_0_first():
+    """The block runs on local rank 0 first (a --weights download into the node's cache; torch.hub renames a whole
+    download into place), then on the node's other ranks."""
+    import torch.distributed as dist
+    if int(os.environ.get("LOCAL_RANK", 0)) > 0:
+        dist.barrier()
+    yield
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        dist.barrier()
+
+
+def same_on_every_rank(classes, train_samples, val_samples, resume_point):
+    """Stop before training if the ranks do not see the same data or resume point (each node reads its own disk):
+    they would train on mismatched samples, or hang on different numbers of steps."""
+    import torch.distributed as dist
+    facts = dict(classes=classes, training_images=len(train_samples), validation_images=len(val_samples),
+                 resume_point=resume_point)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, facts)
     for rank, seen in enumerate(gathered):
@@ -527,12 +610,106 @@ def same_on_every_rank(**facts):
                                  f": every node needs the same --data-path contents and --output-dir (a shared disk)")
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
+
+
+class StopOnSignal:
+    """A stop signal is noted, not acted on at once: the ranks agree to stop after the same step, and save there.
+    Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
+    to every worker, SLURM and terminals reach every process of the job themselves."""
+
+    def __init__(self, device, every):
+        self.device, self.every, self.seen, self.signum = device, every, [], 0
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda signum, frame: self.seen.append(signum))
+
+    def __bool__(self):  # a signal reached this rank
+        return bool(self.seen)
+
+    def agreed(self, step=None, steps_per_epoch=None):
+        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points. Given a
+        step, it votes only every `every` steps and after the epoch's last: reading the vote waits for the device,
+        which would drain a GPU's queue of work every step."""
+        if step is not None and (step + 1) % self.every and step + 1 != steps_per_epoch:
+            return 0
+        import torch.distributed as dist
+        seen = torch.full((1,), self.seen[-1] if self.seen else 0, device=self.device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        self.signum = int(seen.item())
+        return self.signum
+
+    def exit(self, step, output_dir):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
+                  f"with --resume auto --output-dir {output_dir}", flush=True)
+        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+
+
+def ignore_stop_signals(worker_id):
+    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
+    its rank down with it. The rank decides; workers still exit when it dies."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
+
+
+def start_workers(loader):
+    """iter(loader), with the stop signals held back while it forks the workers (before ignore_stop_signals() has
+    run, a signal would end a worker). A held signal arrives right after."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def count_allreduces(model):
+    """DDP's gradient all-reduces, counted by a communication hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    counter = types.SimpleNamespace(count=0)
+
+    def counted(state, bucket):
+        counter.count += 1
+        return default_hooks.allreduce_hook(None, bucket)
+    model.register_comm_hook(None, counted)
+    return counter
+
+
+class ReduceScatterCounter:
+    """FSDP's gradient reduce-scatter (set_custom_reduce_scatter's interface), counting its calls."""
+    count = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+        self.count += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def shard_bytes(model, optimizer):
+    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state."""
+    return {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
+        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
+        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+
+
 # --------------------------------------------------------------------------------------------- logging
 def class_results(confusion, classes):
     """results.json's per-class figures from the confusion matrix (rows: true class, columns: predicted)."""
     counts = confusion.sum(dim=1).tolist()
     per_class = {name: confusion[i, i].item() / counts[i] if counts[i] else None for i, name in enumerate(classes)}
     return {"per_class_acc": per_class, "confusion": confusion.tolist()}
+
+
+def report_test(output_dir, checkpoint, classes, val_loss, val_acc, val_count, confusion):
+    """--test-only: results.json and one line."""
+    results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(checkpoint),
+               **class_results(confusion, classes)}
+    write_json(output_dir / "results.json", results)
+    print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
+          f"{weakest_classes(results['per_class_acc'])}")
 
 
 def weakest_classes(per_class_acc, count=3):
@@ -628,15 +805,14 @@ class Logger:
 
 # --------------------------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile N: torch.profiler over N steps after 3 warm-up steps. Writes trace.json (chrome://tracing or
-    https://ui.perfetto.dev) into the output folder and prints the top operators and where the step time went."""
+    """--profile N: torch.profiler over N steps after 3 warm-up steps. Writes trace.json (https://ui.perfetto.dev)
+    and prints the top operators; tools/profile_report.py then says where the step time went."""
 
     def __init__(self, output_dir, steps, enabled=True):
         self.output_dir, self.profile = output_dir, None
         if steps and enabled:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                                  if torch.cuda.is_available() else [])
             self.profile = torch.profiler.profile(
                 activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1),
                 on_trace_ready=self.report, profile_memory=True)
@@ -652,31 +828,15 @@ class Profiler:
             self.profile = None
 
     def report(self, profile):
-        profile.export_chrome_trace(str(self.output_dir / "trace.json"))
-        totals, busy, end = {"step": 0.0, "data": 0.0, "communication": 0.0}, [], 0.0
-        steps, reads = 0, 0  # reads: .item() of a tensor; on a GPU the host waits until the device has run all it has
-        for event in profile.events():
-            name = event.name.lower()
-            reads += name == "aten::_local_scalar_dense"
-            if name.startswith("profilerstep"):
-                steps += 1
-                totals["step"] += event.cpu_time_total
-            elif name.startswith("enumerate(dataloader)"):
-                totals["data"] += event.cpu_time_total
-            elif "all_reduce" in name or "allreduce" in name:  # gloo threads, NCCL ops and kernels
-                busy.append((event.time_range.start, event.time_range.end))
-        for start, stop in sorted(busy):  # wall time with an all-reduce in flight, in any thread or stream
-            totals["communication"] += max(0.0, stop - max(start, end))
-            end = max(end, stop)
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        print(profile.key_averages().table(sort_by=sort, row_limit=8))
-        step = max(totals["step"], 1e-9)
-        if torch.cuda.is_available():
+        trace = self.output_dir / "trace.json"
+        profile.export_chrome_trace(str(trace))
+        cuda = torch.cuda.is_available()
+        print(profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                           row_limit=8))
+        if cuda:
             peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
         else:
             import resource
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-        print(f"profile: waiting for data {100 * totals['data'] / step:.1f}% of the step time, communication "
-              f"{100 * totals['communication'] / step:.1f}% (may overlap compute; keep it under ~15%), peak memory "
-              f"{peak}, {reads / max(steps, 1):.2f} host reads of device values (syncs) per step; trace in "
-              f"{self.output_dir / 'trace.json'}", flush=True)
+        print(f"profile: peak memory {peak}; trace in {trace}; where the step time went: "
+              f"python tools/profile_report.py {trace}", flush=True)
