@@ -1,0 +1,158 @@
+"""Jobs that always end, and resumes that stay right: a data error mid-run with loader workers, a resume whose ranks
+would run different numbers of batches, a sharded save at a step number that was saved before, a mixed-precision
+resume from another rung's checkpoint, and the teardown of the FSDP process group. Real processes, the defaults.
+"""
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import utils
+from conftest import (DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, finish, job_env, kill_mid_epoch,
+                      load_model_state, ok, run_script, start)
+
+EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
+         "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
+
+
+def lines_of(job, timeout):
+    """The job's output lines as they come; fails the test if they stop coming for `timeout` seconds."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, job.stdout), lines.put(None)], daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output for {timeout} s") from None
+        if line is None:
+            return
+        yield line
+
+
+def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
+    return subprocess.run([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script,
+                           *map(str, args)], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp_path):
+    """bash run.sh ddp 2 with the default loader workers (which ignore SIGTERM); the images vanish after epoch 1 (a
+    dataset cleaned up, a dropped NFS mount). Each rank that reads a missing file says so, and the job ends: before,
+    every rank printed its line and then waited forever for its loader workers at exit."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    job, lines = start("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run"), []
+    removed, pids = None, []
+    for line in lines_of(job, timeout=120):
+        lines.append(line)
+        if "epoch 1/3  val loss" in line:
+            pids = descendants(job.pid)
+            for folder in data.iterdir():
+                shutil.rmtree(folder)
+            removed = time.time()
+            break
+    assert removed, "".join(lines)[-3000:]
+    try:
+        output = finish(job, lines, timeout=45)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the job was still running 45 s after its images disappeared") from None
+    assert job.returncode == 1, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors and all(line.startswith("error: cannot decode image") for line in errors), output[-3000:]
+    worker_tracebacks = [t for t in output.split("Traceback (most recent call last):")[1:] if "ChildFailedError" not in t]
+    assert not worker_tracebacks, output[-3000:]  # (torchrun's own report of the failed workers: run.sh's to filter)
+    assert_gone(pids)
+
+
+def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(tiny_data, tmp_path):
+    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done) resumed by train_ddp_launch.py on 3
+    processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold 10/11/11 or 5/5/6
+    batches. Every rank must run the same steps (before, one rank was still in a backward pass while the others
+    evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung, which stops at its
+    step count, resumed the same way."""
+    args = [*EXACT, "--data-path", tiny_data]
+    checkpoint = kill_mid_epoch("ddp", [*args, "-b", "8"], tmp_path / "two")
+    shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
+    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", tmp_path / "saved.pt",
+                                 "--output-dir", tmp_path / name, launcher=launcher))
+               for name, launcher in (("launch", "torch.distributed.launch"), ("torchrun", "torch.distributed.run"))}
+    steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
+    for proc in resumed.values():
+        steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/2  step ")]
+        assert len(steps) == steps_left, proc.stdout[-3000:]
+    # (the torchrun rung's counting hook averages before the all-reduce: float rounding, ~4e-9 here)
+    assert_same_weights(load_model_state(tmp_path / "launch" / "last.pt"),
+                        load_model_state(tmp_path / "torchrun" / "last.pt"), atol=1e-6)
+
+
+def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(tiny_data, tmp_path):
+    """Killed mid-epoch at 2 processes x batch 8 (saved as step 1 or 2), then resumed in one process at a bigger
+    batch chosen so that its first save, after a training step, falls on that same step number (the bigger global
+    batch renumbers the steps). The shards that last.pt names must hold its own weights; before, a save at a step
+    already on disk kept the old shards (up to 105 apart), and the next resume went back in training."""
+    import torch.distributed.checkpoint as dcp
+    import torchvision
+    args = ["--img-size", "32", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25", "--data-path",
+            tiny_data]  # BatchNorm training: the weights move every step
+    checkpoint = kill_mid_epoch("fsdp", [*args, "--epochs", "2", "-b", "8"], tmp_path / "run")
+    saved_step = checkpoint["samples"] // 16  # 2 processes x batch 8
+    batch = {1: 26, 2: 18}[saved_step]  # 50 images: 1 step left of 1 per epoch, or of 2: it saves as step 1, or 2
+    resumed = ok(torchrun(1, "train_fsdp.py", *args, "--epochs", "1", "-b", batch, "--resume", "auto",
+                          "--output-dir", tmp_path / "run"))
+    assert resumed.stdout.count("  step ") == 1, resumed.stdout[-2000:]  # it trained before saving
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert checkpoint["optimizer"].startswith(f"last-step{saved_step}-"), checkpoint["optimizer"]
+    shards = {"model": torchvision.models.resnet18(num_classes=3).state_dict()}
+    dcp.load(shards, checkpoint_id=tmp_path / "run" / checkpoint["optimizer"])  # in one process: the full tensors
+    assert_same_weights(shards["model"], checkpoint["model"])
+    assert [p.name for p in (tmp_path / "run").iterdir() if ".dcp" in p.name] == [checkpoint["optimizer"]]
+
+
+def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(default_runs, tiny_data, tmp_path):
+    """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
+    ending with KeyError: 'scaler'."""
+    shutil.copytree(default_runs / "ddp", tmp_path / "run")
+    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, "--epochs", "3", "--data-path", tiny_data, "--resume",
+                       tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run"))
+    assert "resuming from" in proc.stdout and "epoch 3 after 0 of its 50 samples" in proc.stdout, proc.stdout[-2000:]
+    assert "epoch 3/3  step 1/3" in proc.stdout and "epoch 2/3  step" not in proc.stdout, proc.stdout[-2000:]
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3
+
+
+def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(tiny_data, tmp_path):
+    """--device cuda:1 under torchrun would open a context on GPU 1 in every rank and then be ignored: one line."""
+    proc = torchrun(2, "train_ddp_torchrun.py", "--device", "cuda:1", "--data-path", tiny_data, timeout=90)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert "under a launcher each process uses the GPU of its local rank" in errors[0], errors
+
+
+TEARDOWN = r"""
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import utils
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+if sys.argv[2] == "renamed":  # a torch release without the private attribute
+    del mesh._pg_registry
+utils.destroy_process_group()
+print("initialized after:", dist.is_initialized())
+"""
+
+
+@pytest.mark.parametrize("case", ["as in torch 2.14", "renamed"])
+def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(case):
+    """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
+    torch release renames it, the exit must still end with the script's own status, not a traceback."""
+    env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
+    proc = subprocess.run([sys.executable, "-c", TEARDOWN, str(REPO), case], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "initialized after: False" in proc.stdout, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
