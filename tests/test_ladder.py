@@ -1,0 +1,51 @@
+"""The ladder stays readable: each rung's diff within its budget, the README's table showing the real sizes, the
+front page short, and every link between the pages resolving."""
+import re
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+# (from, to): the most changed lines (`diff A B | grep -c '^[<>]'`) that one concept may cost
+BUDGETS = {("train_single.py", "train_dp.py"): 20, ("train_single.py", "train_ddp_launch.py"): 95,
+           ("train_ddp_launch.py", "train_ddp_torchrun.py"): 100, ("train_ddp_torchrun.py", "train_ddp_amp.py"): 36,
+           ("train_ddp_torchrun.py", "train_fsdp.py"): 100}
+
+
+def changed_lines(a, b):
+    diff = subprocess.run(["diff", a, b], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert diff.returncode in (0, 1), diff.stderr
+    return sum(line[:1] in "<>" for line in diff.stdout.splitlines() if line)
+
+
+@pytest.mark.parametrize("rung", BUDGETS, ids=[f"{a}->{b}" for a, b in BUDGETS])
+def test_each_diff_stays_within_its_budget(rung):
+    assert changed_lines(*rung) <= BUDGETS[rung], f"{rung}: {changed_lines(*rung)} changed lines"
+
+
+def test_the_readme_ladder_shows_the_real_sizes():
+    rows = re.findall(r"^\| `(train_\w+\.py)` \| (?:`(train_\w+\.py)`|—) \|.*\| (\d+)(?: in all)? \|$",
+                      (REPO / "README.md").read_text(), re.M)
+    assert len(rows) == 6, rows
+    for script, base, size in rows:
+        expected = changed_lines(base, script) if base else len((REPO / script).read_text().splitlines())
+        assert int(size) == expected, f"README says {size} for {script}, the files say {expected}"
+    assert {(base, script) for script, base, _ in rows if base} == set(BUDGETS)
+
+
+def test_the_front_page_is_short_and_every_link_resolves():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    anchors = {page: {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+                      for heading in re.findall(r"^#+ (.*)$", page.read_text(), re.M)} for page in pages}
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors.get(linked, ())):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken
