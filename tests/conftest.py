@@ -4,11 +4,14 @@ Other test files import these by name (`from conftest import REPO, FAST, run_scr
 signatures stable.
 """
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,40 @@ if str(REPO) not in sys.path:
 # A fast argument list: tiny crops, small batches, two epochs, data loading in the main process, a progress
 # line (and TensorBoard train point) after every step.
 FAST = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1"]
+
+
+# ------------------------------------------------------------------------------ what the tests' processes see
+# The CPU tests hide every GPU from the processes they start: on a GPU machine run.sh would otherwise refuse 2
+# processes on one GPU, `--device cuda` would train instead of failing, and the bitwise comparisons would run on
+# cuDNN. Only tests/test_gpu.py sees the GPUs (as the user set CUDA_VISIBLE_DEVICES before starting the suite).
+USER_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+GPU_MODULES = ("test_gpu",)
+
+
+def cpu_env(**extra):
+    """The environment of every process a CPU test starts: this one's, with no GPU visible."""
+    return {**os.environ, **extra, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def gpu_env(**extra):
+    """tests/test_gpu.py's: the GPUs the suite was started with."""
+    env = {**os.environ, **extra}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if USER_VISIBLE_DEVICES is not None:
+        env["CUDA_VISIBLE_DEVICES"] = USER_VISIBLE_DEVICES
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hide_gpus(request):
+    """Also hide them in this process's environment, for what a CPU test starts without a helper (anything that
+    inherits os.environ). The GPU modules keep them."""
+    if request.module.__name__ in GPU_MODULES:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 def pytest_configure(config):
@@ -61,15 +98,58 @@ def make_dataset(root, counts, size=32, ext=".jpg"):
     return root
 
 
+# ------------------------------------------------------------------------------------------ running processes
+# Every process a test starts carries a token of its own in its environment (TEST_JOB), inherited by everything it
+# starts in turn: torchrun's workers (in sessions of their own) and their loader workers, even once reparented.
+# A job that runs past its time is ended by the token, every process of it and nothing else.
+def job_processes(token):
+    """pids of the live processes whose environment holds TEST_JOB=token."""
+    mark, found = f"TEST_JOB={token}".encode(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def kill_job(token):
+    for _ in range(3):  # a process may fork while we look
+        for pid in job_processes(token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_job(cmd, *, cwd=REPO, env, timeout):
+    """subprocess.run(cmd) with output captured; past `timeout` seconds every process of the job is killed (not only
+    the first, whose launcher and workers would train on) and subprocess.TimeoutExpired is raised."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**env, "TEST_JOB": token}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(token)
+        proc.communicate()
+        raise
+    finally:
+        kill_job(token)  # loader workers or an orphaned worker must not outlive the test either
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def run_script(script, *args, cwd=REPO, timeout=120, env=None):
     """Run `python script *args` (script relative to cwd unless absolute); return the CompletedProcess.
 
     Raises subprocess.TimeoutExpired (and kills the process) when it runs past `timeout` seconds.
     """
     if env is None:
-        env = dict(os.environ, OMP_NUM_THREADS="2")
-    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+        env = cpu_env(OMP_NUM_THREADS="2")
+    return run_job([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, timeout=timeout)
 
 
 def load_model_state(path):
@@ -153,13 +233,12 @@ DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1",
 
 
 def job_env(**extra):
-    """A job's environment: one thread per process (2 processes share the 2 cores), unbuffered output."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, **extra)
+    """A job's environment: one thread per process (2 processes share the 2 cores), unbuffered output, no GPU."""
+    return cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, **extra)
 
 
 def run_sh(*args, timeout=150, env=None):
-    return subprocess.run(["bash", "run.sh", *map(str, args)], cwd=REPO, env=env or job_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_job(["bash", "run.sh", *map(str, args)], env=env or job_env(), timeout=timeout)
 
 
 def ok(proc):
@@ -217,10 +296,35 @@ def ranks(job):
     return found
 
 
-def start(*args, env=None):
-    """bash run.sh ARGS in a session of its own (so the test can signal its process group), output merged."""
-    return subprocess.Popen(["bash", "run.sh", *map(str, args)], cwd=REPO, env=env or job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start(*args, env=None, timeout=300):
+    """bash run.sh ARGS in a session of its own (so the test can signal its process group), output merged.
+
+    A watchdog kills every process of the job after `timeout` seconds (see run_job), which also ends a
+    `for line in job.stdout` loop over a job that stalls without output; finish() stops it."""
+    return popen(["bash", "run.sh", *map(str, args)], env=env or job_env(), timeout=timeout)
+
+
+def popen(cmd, *, env, timeout, cwd=REPO):
+    """Popen(cmd), output merged, in a session of its own, with the watchdog of start(); job.token names its
+    processes (job_processes)."""
+    token = uuid.uuid4().hex
+    job = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**env, "TEST_JOB": token}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job.token = token
+    job.watchdog = threading.Timer(timeout, kill_job, [token])
+    job.watchdog.daemon = True
+    job.watchdog.start()
+    return job
+
+
+def read_until(job, lines, marker):
+    """Read the job's output into `lines` until a line holds `marker`: that line, or None if the output ended
+    first (the job exited, or its watchdog ended it)."""
+    for line in job.stdout:
+        lines.append(line)
+        if marker in line:
+            return line
+    return None
 
 
 def deliver(job, how, signum):
@@ -238,18 +342,46 @@ def deliver(job, how, signum):
 
 
 def finish(job, lines, timeout):
+    """The job's whole output once it has ended (at most `timeout` seconds from now; then every process of it is
+    killed and the test fails)."""
     try:
         out, _ = job.communicate(timeout=timeout)
         lines.append(out)
+    except subprocess.TimeoutExpired:
+        kill_job(job.token)
+        lines.append(job.communicate()[0])
+        raise AssertionError(f"the job was still running {timeout} s later:\n{''.join(lines)[-3000:]}") from None
     finally:
+        job.watchdog.cancel()
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_job(job.token)
             job.wait()
     return "".join(lines)
 
 
-def assert_gone(pids, within=15):
-    """No process of the job outlives it: loader workers end with their parent (PyTorch checks every 5 s)."""
+def assert_job_gone(token, within=30):
+    """No process that carries the job's token (job_processes) is left, zombies aside."""
+    deadline = time.time() + within
+    while True:
+        alive = [p for p in job_processes(token) if _state(p) not in ("Z", None)]
+        if not alive or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    kill_job(token)
+    assert not alive, f"processes left behind: {[(p, command(p)[:80]) for p in alive]}"
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def assert_gone(pids, within=30):
+    """No process of the job outlives it: loader workers end with their parent (PyTorch checks every 5 s; the
+    margin is for a loaded machine)."""
     deadline = time.time() + within
     while time.time() < deadline:
         alive = [p for p in pids if os.path.exists(f"/proc/{p}") and parent_of(p) is not None]
@@ -273,12 +405,54 @@ def kill_mid_epoch(mode, args, output_dir):
     """bash run.sh MODE 2 ARGS --save-every 1, SIGKILLed (every process) once step 2 of epoch 1 is logged; returns
     its last.pt, saved after step 1 or 2 of the epoch: 16 or 32 samples at 2 processes x batch 8."""
     job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 2/3" in line:  # step 1 is saved by now, step 2 may be too
-            deliver(job, "every process", signal.SIGKILL)
-            break
-    finish(job, lines, timeout=60)
+    seen = read_until(job, lines, "epoch 1/2  step 2/3")
+    if seen:  # step 1 is saved by now, step 2 may be too
+        deliver(job, "every process", signal.SIGKILL)
+    output = finish(job, lines, timeout=60)
+    assert seen, output[-3000:]
     checkpoint = torch.load(output_dir / "last.pt", weights_only=True)
     assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
     return checkpoint
+
+
+# ------------------------------------------------------------------------------------------ where a run resumed
+PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s", re.MULTILINE)  # utils.Logger.step's line
+RESUMING = re.compile(r"resuming from .*: epoch (\d+) after (\d+) of its (\d+) samples \(at global batch \d+\)")
+GLOBAL_BATCH = re.compile(r"global batch (\d+) ")
+
+
+def progress_steps(output):
+    """The global step numbers of the progress lines in a run's output, in order (--print-freq 1: every step)."""
+    return [(int(epoch) - 1) * int(steps) + int(step) for epoch, _, step, steps in PROGRESS.findall(output)]
+
+
+def assert_resumed_after(output, step=None):
+    """The last run in `output` resumed (its `resuming from` line) and then trained exactly the steps after the
+    checkpoint's, each once, to the end: its first progress line is the step after the checkpoint's, not step 1.
+
+    The `resuming from` line is printed whatever the restore does; the steps are what training did. The step to
+    resume after comes from that line's epoch and samples and this run's global batch (which may differ from the
+    checkpoint's); `step` (what the stop line, or the checkpoint read by the test, said) must agree with it.
+    Returns the progress steps trained after the resume."""
+    resumes = list(RESUMING.finditer(output))
+    assert resumes, f"no 'resuming from' line:\n{output[-3000:]}"
+    resume = resumes[-1]
+    epoch, samples, epoch_samples = map(int, resume.groups())
+    global_batch = int(GLOBAL_BATCH.findall(output[:resume.start()])[-1])
+    after = output[resume.end():]
+    progress = PROGRESS.findall(after)
+    assert progress, f"no progress line after the resume:\n{after[-3000:]}"
+    epochs, steps_per_epoch = int(progress[-1][1]), int(progress[-1][3])
+    # as the scripts count it: the samples done, whatever the batch that did them, in this run's global batch
+    done = (epoch - 1) * steps_per_epoch + steps_per_epoch - (epoch_samples - samples) // global_batch
+    if step is not None:
+        assert done == step, f"resumed after step {done}, but the checkpoint was of step {step}"
+    trained = progress_steps(after)
+    assert trained == list(range(done + 1, epochs * steps_per_epoch + 1)), \
+        f"resumed after step {done}, then trained steps {trained}:\n{after[-3000:]}"
+    return trained
+
+
+def checkpoint_step(checkpoint, steps_per_epoch):
+    """The global step after which a checkpoint was saved, in the global batch that saved it."""
+    return checkpoint["epoch"] * steps_per_epoch + checkpoint["samples"] // checkpoint["global_batch"]

@@ -9,7 +9,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import assert_same_weights, kill_mid_epoch, load_model_state, ok, run_sh
+from conftest import (assert_resumed_after, assert_same_weights, checkpoint_step, kill_mid_epoch, load_model_state, ok,
+                      run_sh)
 
 # bf16 autocast: inductor fuses and rounds differently from eager, and the head's weights end ~5e-5 apart after 3
 # steps (measured); a rank that skipped the all-reduce, or a step lost on resume, moves them by ~1e-3.
@@ -22,10 +23,13 @@ def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(tiny_data, tmp_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, every time
     args = [*ARGS, "--data-path", tiny_data]
     ok(run_sh("amp", 2, *args, "--output-dir", tmp_path / "eager"))
+    assert not compiled_kernels(tmp_path / "inductor")  # eager: inductor never ran
     # compiled, SIGKILLed in epoch 1 after a mid-epoch checkpoint, then resumed, compiled again
-    kill_mid_epoch("amp", [*args, "--compile"], tmp_path / "compiled")
+    checkpoint = kill_mid_epoch("amp", [*args, "--compile"], tmp_path / "compiled")
+    kernels = compiled_kernels(tmp_path / "inductor")
+    assert kernels, "--compile compiled nothing: the test's inductor cache is empty"
     resumed = ok(run_sh("amp", 2, *args, "--compile", "--resume", "auto", "--output-dir", tmp_path / "compiled"))
-    assert "resuming from" in resumed.stdout and "epoch 1/2  step 1/3" not in resumed.stdout, resumed.stdout
+    assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 3))
 
     state = load_model_state(tmp_path / "compiled" / "last.pt")
     assert not [key for key in state if key.startswith(("_orig_mod.", "module."))], list(state)[:3]
@@ -36,3 +40,7 @@ def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(tiny_data, tmp_
     initial = utils.build_model("resnet18", 3).state_dict()
     assert (eager["fc.weight"] - initial["fc.weight"]).abs().max() > 20 * TOL
 
+
+def compiled_kernels(cache):
+    """The kernels inductor wrote into its cache folder (generated Python and C++ sources), if any."""
+    return [path for path in cache.rglob("*") if path.suffix in (".py", ".cpp")] if cache.exists() else []

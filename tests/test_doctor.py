@@ -1,30 +1,29 @@
 """bash run.sh doctor (tools/doctor.py), run for real: no mocks, real processes and a real all-reduce.
 
 One full run (about 10 s on a quiet 2-core machine) is shared by the tests of its report; the failing-port test
-adds a shorter run without the all-reduce.
+adds a shorter run without the all-reduce. Like every CPU test, these hide the GPUs from what they start
+(conftest.cpu_env): on a GPU machine too, the doctor reports a machine without CUDA, and gpucheck dry-runs.
 """
+import ast
 import json
 import math
-import os
 import re
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, cpu_env, run_job
 
-CPU_ONLY = not torch.cuda.is_available()
 LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
 
 
 def run_doctor(*args, env=None, timeout=120):
     """bash run.sh doctor *args from the repository root, with PYTHON=this interpreter; the CompletedProcess."""
-    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run(["bash", "run.sh", "doctor", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**base, "PYTHON": sys.executable, **(env or {})})
+    base = {k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return run_job(["bash", "run.sh", "doctor", *args], timeout=timeout,
+                   env={**base, "PYTHON": sys.executable, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,6 @@ def test_reports_the_versions(doctor_run):
     assert by_name["torchvision"]["version"].split("+")[0] == version("torchvision").split("+")[0]
 
 
-@pytest.mark.skipif(not CPU_ONLY, reason="this machine has a GPU")
 def test_gpu_checks_are_skipped_on_a_cpu_machine(doctor_run):
     _, lines, data = doctor_run
     assert re.match(r"^warn +CUDA not available .*GPU checks skipped", line_of(lines, r"CUDA not available"))
@@ -81,7 +79,6 @@ def test_gpu_checks_are_skipped_on_a_cpu_machine(doctor_run):
     assert by_name["gloo"]["status"] == "ok"
 
 
-@pytest.mark.skipif(not CPU_ONLY, reason="on GPUs the all-reduce runs on nccl")
 def test_gloo_allreduce_measures_latency_and_bandwidth(doctor_run):
     _, lines, data = doctor_run
     line = line_of(lines, r"all-reduce")
@@ -120,14 +117,27 @@ def test_a_port_in_use_fails_the_run(tmp_path):
     assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
 
 
-@pytest.mark.skipif(not CPU_ONLY, reason="on a GPU machine gpucheck runs the GPU tests and bench rows for minutes")
 def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
     report = tmp_path / "report.txt"
-    result = subprocess.run(["bash", "run.sh", "gpucheck", "--report", str(report)], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={k: v for k, v in os.environ.items()
-                                                         if k not in ("MASTER_ADDR", "MASTER_PORT")})
+    result = run_job(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
+                     env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")})
     assert result.returncode == 0, result.stdout + result.stderr
     skipped = "CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine"
     assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
     text = report.read_text()
     assert skipped in text and "## bash run.sh doctor: ok" in text and "all-reduce gloo, 2 processes" in text
+    assert "plan on one GPU: doctor " in result.stdout and "(budget 420 s)" in result.stdout
+
+
+def test_gpucheck_counts_what_every_gpu_test_starts(monkeypatch):
+    """gpucheck sizes its time limits from the starts counted in tests/test_gpu.py's LAUNCHES: every GPU test must
+    be counted, and on one GPU as on eight the plan leaves the bench rows at least their first row's 90 s."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpucheck
+    tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
+    tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    assert set(gpucheck.launches()) == tests
+    for gpus in (1, 8):
+        parts, _ = gpucheck.plan(gpus, 420)
+        assert [name for name, _ in parts] == ["doctor", "tests, first part", "GPU bench rows", "tests, the rest"]
+        assert dict(parts)["GPU bench rows"] >= 90, parts

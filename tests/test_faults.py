@@ -1,7 +1,6 @@
 """What goes wrong on real clusters, as bounded scenarios with real processes: a full disk mid-run, a node that
-never arrives, a taken port, and --profile."""
+never arrives, a peer that never comes, a taken port, and --profile."""
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,11 +9,11 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, REPO, free_port
+from conftest import FAST, REPO, assert_job_gone, cpu_env, finish, free_port, popen, run_job
 
 
 def env_1_thread(**extra):
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
+    return cpu_env(OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
 
 
 def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_path):
@@ -53,10 +52,9 @@ def small_disk(tmp_path):
 
 def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data, small_disk):
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", str(tiny_data),
-                           "--val-fraction", "0.25", "--save-every", "1", "--output-dir", str(small_disk / "run")],
-                          cwd=REPO, env=env_1_thread(), capture_output=True, text=True, timeout=120)
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25",
+                    "--save-every", "1", "--output-dir", small_disk / "run"], env=env_1_thread(), timeout=120)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "last.pt" in errors[0], proc.stderr[-3000:]
@@ -68,12 +66,32 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
 
 def test_a_node_that_never_arrives_ends_with_one_line(tmp_path):
     started = time.time()
-    proc = subprocess.run(["bash", "run.sh", "ddp", "1", "--epochs", "1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=90, env=env_1_thread(NNODES="2", MASTER_ADDR="127.0.0.1",
-                                                      MASTER_PORT=str(free_port()), RDZV_TIMEOUT="5"))
+    proc = run_job(["bash", "run.sh", "ddp", "1", "--epochs", "1"], timeout=90,
+                   env=env_1_thread(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                                    RDZV_TIMEOUT="5"))
     assert proc.returncode != 0
     assert "run.sh: not all 2 nodes joined" in proc.stderr and "RDZV_TIMEOUT" in proc.stderr
     assert time.time() - started < 60
+
+
+def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
+    """Local rank 1 never starts its script (it hangs before, here in a sleep): rank 0 waits for it at the process
+    group's start for --dist-timeout seconds, not for the default 300, then fails; the launcher ends the sleeper,
+    and no process of the job is left."""
+    dist_timeout = 10
+    hanging_peer = tmp_path / "hanging_peer.sh"
+    hanging_peer.write_text(f'[ "$LOCAL_RANK" = 1 ] && exec sleep 600\nexec {sys.executable} "$@"\n')
+    started = time.time()
+    job = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+                 "bash", hanging_peer, "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data,
+                 "--val-fraction", "0.25", "--dist-timeout", dist_timeout, "--output-dir", tmp_path / "run"],
+                env=env_1_thread(), timeout=200)
+    output = finish(job, [], timeout=150)  # well before the default 300 s
+    took = time.time() - started
+    assert job.returncode != 0, output[-3000:]
+    assert took >= dist_timeout and "timeout" in output.lower(), (took, output[-3000:])  # it waited, then gave up
+    assert not (tmp_path / "run" / "last.pt").exists()
+    assert_job_gone(job.token)
 
 
 def test_a_taken_master_port_is_refused_with_its_number():
@@ -81,8 +99,7 @@ def test_a_taken_master_port_is_refused_with_its_number():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = subprocess.run(["bash", "run.sh", "ddp", "1"], cwd=REPO, capture_output=True, text=True, timeout=60,
-                              env=env_1_thread(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-                                               MASTER_PORT=str(port)))
+        proc = run_job(["bash", "run.sh", "ddp", "1"], timeout=60,
+                       env=env_1_thread(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
     assert proc.returncode == 2
     assert f"MASTER_PORT {port} is already in use" in proc.stderr

@@ -6,7 +6,6 @@ test_ddp.py, --freeze makes W processes x batch B equal to one process with batc
 import json
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -14,8 +13,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_same_weights, deliver, finish, job_env, kill_mid_epoch,
-                      load_model_state, ok, run_sh, run_script, start)
+from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
+                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, run_script, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
@@ -24,9 +23,8 @@ COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq",
 
 
 def torchrun(cwd, nproc, *args, extra=(), timeout=150):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           *extra, "train_fsdp.py", *map(str, args)], cwd=cwd, env=job_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra,
+                    "train_fsdp.py", *args], cwd=cwd, env=job_env(), timeout=timeout)
 
 
 def results(folder):
@@ -120,13 +118,16 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
     three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
                         tmp_path / "three"))
     assert f"epoch 1 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
+    # in steps of 24 (2 an epoch): 16 samples done leave one step of epoch 1, 32 leave none (too few for a step)
+    assert assert_resumed_after(three.stdout)[0] == {16: 2, 32: 3}[checkpoint["samples"]], three.stdout[-3000:]
     assert "lr 0.1 x 24/256 = 0.009375" in three.stdout
     first = next(line for line in three.stdout.splitlines() if "  step " in line)  # as in test_scale.py
     epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
     expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
     assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
 
-    ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
+    again = ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
+    assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
@@ -140,6 +141,8 @@ def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_d
     resumed = stdout.split("resuming from")[1].splitlines()[0]
     assert resumed.endswith(("epoch 1 after 32 of its 50 samples (at global batch 16)",
                              "epoch 2 after 0 of its 50 samples (at global batch 16)")), resumed
+    # the restarted group trained from the step after that checkpoint, not again from step 1
+    assert stdout.count("epoch 1/2  step 1/3") == 1 and assert_resumed_after(stdout)[0] in (3, 4), stdout[-4000:]
     assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
@@ -166,17 +169,15 @@ def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, 
 def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):
     args = ["fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines = start(*args), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 1/3" in line:
-            deliver(job, "agent", signal.SIGTERM)
-            break
+    if read_until(job, lines, "epoch 1/2  step 1/3"):
+        deliver(job, "agent", signal.SIGTERM)
     output = finish(job, lines, timeout=60)
     assert job.returncode == 143, output[-3000:]
-    assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
+    stops = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stops) == 1, output[-3000:]
     assert not (tmp_path / "run" / "results.json").exists()
     resumed = ok(run_sh(*args, "--resume", "auto"))
-    assert "resuming from" in resumed.stdout
+    assert_resumed_after(resumed.stdout, step=int(stops[0].split("after step ")[1].split(":")[0]))
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
 
 

@@ -1,20 +1,27 @@
 """Every rung on a CUDA GPU, as a user starts it: short runs with the default settings (loader workers, BatchNorm
 training), nccl for the DDP and FSDP rungs, one process (a one-GPU machine runs them all). Skipped without CUDA.
+The only test module that sees the GPUs: every other one hides them from what it starts (conftest.cpu_env).
 
-Sane results: exit 0, the script says it trained on cuda, results.json holds an accuracy that is a number, and
-last.pt loads (weights_only) into a plain torchvision model. Checkpoints move between GPU and CPU both ways, and a
-run SIGKILLed mid-epoch and resumed on the GPU ends within TOL of an uninterrupted one. About 20 short runs; the
-budget is 4 minutes on one H200.
+Sane results: exit 0, the script says it trained on cuda, results.json holds an accuracy better than chance, and
+last.pt loads (weights_only) into a plain torchvision model. No training step waits for the GPU (a host sync per
+step drains its queue). Checkpoints move between GPU and CPU both ways, and a run SIGKILLed mid-epoch and resumed on
+the GPU ends within TOL of an uninterrupted one, each resumed run from the step after its checkpoint. Where 2 GPUs
+exist, train_dp.py really runs nn.DataParallel over them. tools/gpucheck.py sizes its time limits from the starts
+counted in LAUNCHES below.
 """
 import json
 import math
 import signal
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision
 
-from conftest import DEFAULTS, assert_same_weights, deliver, finish, load_model_state, ok, run_sh, start
+import utils
+from conftest import (DEFAULTS, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish, gpu_env,
+                      load_model_state, ok, read_until, run_sh, start)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bash run.sh gpucheck runs these on a GPU machine)")
@@ -25,13 +32,29 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 # lost or repeated on resume is far outside this.
 TOL = 1e-3
 
+# What each test starts, for tools/gpucheck.py's time limits (tests/test_doctor.py checks that every test is here):
+# {test: (script runs in one process, torchrun launches, GPUs it needs)}. Each start imports torch and torchvision
+# and starts CUDA and 2 loader workers; a torchrun launch starts the launcher first, and NCCL. (0, 0): in this process.
+LAUNCHES = {"test_training_steps_never_wait_for_the_gpu": (0, 0, 1),
+            "test_each_script_trains_on_cuda": (2, 6, 1),
+            "test_a_checkpoint_moves_between_gpu_and_cpu": (4, 0, 1),
+            "test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run": (0, 3, 1),
+            "test_the_training_loop_reads_the_gpu_only_at_progress_lines": (0, 2, 1),
+            "test_data_parallel_over_two_gpus_equals_one_gpu": (2, 0, 2)}
+
+
+def env():
+    """The GPUs the suite was started with; run.sh sets the threads."""
+    return gpu_env(PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+
 
 def args_for(tiny_data, output_dir, *extra):
     return [*DEFAULTS, "--data-path", tiny_data, "--output-dir", output_dir, *extra]
 
 
-def check_run(proc, output_dir, device="cuda"):
-    """The run trained on `device`, wrote a numeric accuracy and a last.pt that a plain resnet18 loads."""
+def check_run(proc, output_dir, device="cuda", trained=True):
+    """The run trained on `device`, wrote a numeric accuracy (better than chance after a whole run) and a last.pt
+    that a plain resnet18 loads."""
     ok(proc)
     assert f"resnet18 on {device}" in proc.stdout, proc.stdout[:2000]
     results = json.loads((output_dir / "results.json").read_text())
@@ -39,8 +62,47 @@ def check_run(proc, output_dir, device="cuda"):
         value = results[key]
         assert isinstance(value, float) and math.isfinite(value), (key, value)
     assert 0.0 <= results["final_acc"] <= 1.0 and results["val_count"] == 17, results
+    if trained:  # 3 easy classes (6, 5, 6 images): guessing one class scores 6/17; on the CPU these runs beat 0.5
+        assert results["best_acc"] > 0.5, results
     torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(output_dir / "last.pt"))
     return results
+
+
+def test_training_steps_never_wait_for_the_gpu():
+    """The scripts' training step on CUDA, in this process, with the project's own model and normalisation
+    (utils.build_model, utils.normalize), in fp32 and under bf16 autocast: after warm-up, steps run under
+    torch.cuda.set_sync_debug_mode("error"), which raises at any host-device synchronisation (an .item(), or a
+    blocking copy such as torch.tensor(list, device="cuda")). One such sync per step drains the GPU's queue: the
+    host waits for every step to end before it can queue the next."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = utils.build_model("resnet18", 3).to(device)
+    utils.train_mode(model, freeze=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8).pin_memory()  # as the loaders give them
+    labels = torch.randint(0, 3, (8,)).pin_memory()
+
+    def step(autocast, lr):
+        batch = utils.normalize(images.to(device, non_blocking=True))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(batch), labels.to(device, non_blocking=True))
+        loss.backward()
+        for group in optimizer.param_groups:  # as the scripts set it: a Python float from the step number
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for autocast in (False, True):
+        for _ in range(3):  # warm-up: cuDNN chooses its algorithms, the caching allocator fills
+            step(autocast, 0.01)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            losses = [step(autocast, 0.01 * (0.9 ** i)) for i in range(5)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert all(math.isfinite(loss.item()) for loss in losses), losses
 
 
 @pytest.mark.parametrize("mode,extra", [
@@ -55,41 +117,45 @@ def check_run(proc, output_dir, device="cuda"):
 ], ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn", "fsdp"])
 def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
     nproc, flags = ([extra[0]], extra[1:]) if extra and isinstance(extra[0], int) else ([], extra)
-    proc = run_sh(mode, *nproc, *args_for(tiny_data, tmp_path / "run", *flags))
+    proc = run_sh(mode, *nproc, *args_for(tiny_data, tmp_path / "run", *flags), env=env())
     check_run(proc, tmp_path / "run")
     assert "warning: --sync-bn needs CUDA" not in proc.stdout
-    if "fp16" in flags:  # the GradScaler ran: its state (scale, growth tracker) is in the checkpoint
+    if mode == "dp":  # nn.DataParallel where 2+ GPUs are visible, else the module unwrapped
+        gpus = torch.cuda.device_count()
+        assert (f"split over {gpus} device(s)" if gpus > 1 else "training unwrapped on cuda") in proc.stdout
+    if "fp16" in flags:  # the GradScaler ran: it counted steps without inf/NaN since its scale last changed
         scaler = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["scaler"]
-        assert scaler and scaler["scale"] > 0, scaler
+        assert scaler and scaler["scale"] > 0 and (scaler["_growth_tracker"] > 0 or scaler["scale"] != 2.0 ** 16), \
+            scaler
 
 
 @pytest.mark.parametrize("first,then", [("cuda", "cpu"), ("cpu", "cuda")])
 def test_a_checkpoint_moves_between_gpu_and_cpu(tiny_data, tmp_path, first, then):
-    """One epoch on one device, then --resume auto for the second on the other (checkpoints load to the CPU)."""
+    """One epoch on one device, then --resume auto for the second on the other (checkpoints load to the CPU): the
+    second run starts at the second epoch's first step."""
     out = tmp_path / "run"
     epoch1 = args_for(tiny_data, out, "--epochs", "1", "--device", first)
-    check_run(run_sh("single", *epoch1), out, first)
-    resumed = run_sh("single", *args_for(tiny_data, out, "--epochs", "2", "--device", then, "--resume", "auto"))
-    assert "resuming from" in resumed.stdout, resumed.stdout[-2000:]
+    check_run(run_sh("single", *epoch1, env=env()), out, first, trained=False)
+    resumed = run_sh("single", *args_for(tiny_data, out, "--epochs", "2", "--device", then, "--resume", "auto"),
+                     env=env())
     assert check_run(resumed, out, then)["epochs"] == 2
+    assert_resumed_after(resumed.stdout, step=6)  # 6 steps an epoch
     assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 2
 
 
 def test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run(tiny_data, tmp_path):
     """ddp 1 with nccl, --save-every 1, SIGKILLed (every process) at step 3 of 6, resumed with --resume auto."""
-    check_run(run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "whole")), tmp_path / "whole")
-    job, lines = start("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1")), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 3/6" in line:  # steps 1 and 2 are saved by now, step 3 may be too
-            deliver(job, "every process", signal.SIGKILL)
-            break
+    check_run(run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "whole"), env=env()), tmp_path / "whole")
+    job, lines = start("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1"), env=env()), []
+    if read_until(job, lines, "epoch 1/2  step 3/6"):  # steps 1 and 2 are saved by now, step 3 may be too
+        deliver(job, "every process", signal.SIGKILL)
     finish(job, lines, timeout=60)
     checkpoint = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
     assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 24), checkpoint["samples"]
-    resumed = run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1", "--resume", "auto"))
-    assert "resuming from" in resumed.stdout and "epoch 1/2  step 1/6" not in resumed.stdout, resumed.stdout[-2000:]
+    resumed = run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1", "--resume", "auto"),
+                     env=env())
     check_run(resumed, tmp_path / "killed")
+    assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 6))
 
     whole = load_model_state(tmp_path / "whole" / "last.pt")
     assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), whole, atol=TOL)
@@ -106,6 +172,28 @@ def test_the_training_loop_reads_the_gpu_only_at_progress_lines(tiny_data, tmp_p
     work never drained between the other steps. (fp16's GradScaler adds one read per step: bf16 here.)"""
     out = tmp_path / "run"
     proc = ok(run_sh(mode, 1, "--img-size", "32", "-b", "2", "--epochs", "1", "--val-fraction", "0.25",
-                     "--data-path", tiny_data, "--profile", "10", "--output-dir", out))
+                     "--data-path", tiny_data, "--profile", "10", "--output-dir", out, env=env()))
     summary = [line for line in proc.stdout.splitlines() if line.startswith("profile:")]
     assert summary and ", 0.20 host reads of device values (syncs) per step;" in summary[0], proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="DataParallel needs 2 GPUs; with one, train_dp.py trains the module unwrapped")
+def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
+    """train_dp.py wraps the model in nn.DataParallel over every visible GPU: each step splits the batch of 16
+    between them and gathers the outputs on the first. With --freeze (BatchNorm statistics fixed, only the head
+    trains) a sample's forward pass ignores its batch, so the head ends where train_single.py's does on one GPU,
+    within rounding (TF32 convolutions): far closer than the distance it moved. A lost replica's gradient, or one
+    counted twice, would change the head's step by a third or more."""
+    gpus = torch.cuda.device_count()
+    common = ["--img-size", "32", "-b", "16", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25",
+              "--freeze", "--data-path", tiny_data]
+    dp = ok(run_sh("dp", *common, "--output-dir", tmp_path / "dp", env=env()))
+    assert f"global batch 16 split over {gpus} device(s)" in dp.stdout and "unwrapped" not in dp.stdout, dp.stdout
+    ok(run_sh("single", *common, "--output-dir", tmp_path / "single", env=env()))
+    trained = {name: load_model_state(tmp_path / name / "last.pt") for name in ("dp", "single")}
+    torch.manual_seed(0)
+    initial = utils.build_model("resnet18", 3).state_dict()
+    moved = (trained["single"]["fc.weight"] - initial["fc.weight"]).norm().item()
+    apart = (trained["dp"]["fc.weight"] - trained["single"]["fc.weight"]).norm().item()
+    assert apart < 0.1 * moved, (apart, moved)

@@ -4,15 +4,19 @@
 process group (a terminal's Ctrl-C). Every claim ends with real weights compared to an uninterrupted run.
 """
 import os
+import pty
+import select
 import signal
 import sys
 import time
+import uuid
 
 import pytest
 import torch
 
-from conftest import (DEFAULTS, assert_gone, assert_same_weights, children, command, deliver, descendants, finish,
-                      job_env, load_model_state, ok, ranks, run_sh, start)
+from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after, assert_same_weights,
+                      checkpoint_step, children, command, deliver, descendants, finish, job_env, kill_job,
+                      load_model_state, ok, ranks, read_until, run_sh, start)
 
 @pytest.mark.parametrize("mode,how,signum", [("ddp", "agent", signal.SIGTERM),
                                              ("ddp", "every process", signal.SIGTERM),
@@ -21,14 +25,11 @@ def test_stop_signal_saves_and_resume_ends_with_uninterrupted_weights(default_ru
                                                                       signum):
     args = [mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines, pids = start(*args), [], []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 1/3" in line:
-            pids = descendants(job.pid)
-            assert len(pids) >= 6, [command(p) for p in pids]  # agent, 2 ranks, their loader workers
-            deliver(job, how, signum)
-            break
+    if read_until(job, lines, "epoch 1/2  step 1/3"):
+        pids = descendants(job.pid)
+        deliver(job, how, signum)
     output = finish(job, lines, timeout=60)
+    assert len(pids) >= 6, [command(p) for p in pids]  # agent, 2 ranks, their loader workers
     name = signal.Signals(signum).name
     assert job.returncode == 128 + signum, output[-3000:]
     stops = [line for line in output.splitlines() if line.startswith("stopped by")]
@@ -39,7 +40,8 @@ def test_stop_signal_saves_and_resume_ends_with_uninterrupted_weights(default_ru
     assert_gone(pids)
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
-    assert "resuming from" in resumed.stdout
+    stopped_after = int(stops[0].split("after step ")[1].split(":")[0])
+    assert_resumed_after(resumed.stdout, step=stopped_after)  # not a fresh start that prints "resuming from"
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / mode / "last.pt"))
 
@@ -48,15 +50,13 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
     """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated."""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines, landed = start(*args), [], False
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 3/3" in line:
-            training_workers = {pid: len(children(pid)) for pid in ranks(job).values()}  # 2 each
-            deadline = time.time() + 20
-            while not landed and time.time() < deadline:  # evaluation starts 2 more: signal while they run
-                landed = any(len(children(pid)) > n for pid, n in training_workers.items())
-            deliver(job, "every process", signal.SIGTERM)
-            break
+    if read_until(job, lines, "epoch 1/2  step 3/3"):
+        training_workers = {pid: len(children(pid)) for pid in ranks(job).values()}  # 2 each
+        deadline = time.time() + 60
+        while not landed and time.time() < deadline:  # evaluation starts 2 more: signal while they run
+            landed = any(len(children(pid)) > n for pid, n in training_workers.items())
+            time.sleep(0.002)  # a short nap, not a spin: the job needs both cores
+        deliver(job, "every process", signal.SIGTERM)
     output = finish(job, lines, timeout=60)
     assert landed, "evaluation was never seen running"
     assert job.returncode == 143, output[-3000:]
@@ -66,6 +66,7 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert "epoch 1/2  val loss" in resumed.stdout and "epoch 1/2  step" not in resumed.stdout
+    assert_resumed_after(resumed.stdout, step=3)  # epoch 2 from its first step
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
     mine, reference = (torch.load(folder / "best.pt", weights_only=True) for folder in (tmp_path / "run",
@@ -75,16 +76,13 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
 
 def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):
     """SIGKILL of one rank (out of memory, a node failure): the survivor must not sit out torchrun's 30 s."""
-    job, lines = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), []
-    for line in job.stdout:
-        lines.append(line)
-        if "epoch 1/2  step 1/3" in line:
-            pids = descendants(job.pid)
-            os.kill(ranks(job)[1], signal.SIGKILL)
-            killed = time.time()
-            break
+    job, lines, pids = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), [], []
+    if read_until(job, lines, "epoch 1/2  step 1/3"):
+        pids = descendants(job.pid)
+        os.kill(ranks(job)[1], signal.SIGKILL)
+        killed = time.time()
     output = finish(job, lines, timeout=60)
-    assert job.returncode != 0, output[-3000:]
+    assert pids and job.returncode != 0, output[-3000:]
     assert time.time() - killed < 15, f"the job took {time.time() - killed:.1f} s to end"
     assert_gone(pids)
 
@@ -94,14 +92,14 @@ def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted
     env = job_env(TORCHRUN_ARGS="--max-restarts=1")
     job, lines, killed = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
                                "--output-dir", tmp_path / "run", env=env), [], False
-    for line in job.stdout:
-        lines.append(line)
-        if not killed and "epoch 1/2  step 2/3" in line:
-            os.kill(ranks(job)[0], signal.SIGKILL)
-            killed = True
+    if read_until(job, lines, "epoch 1/2  step 2/3"):
+        os.kill(ranks(job)[0], signal.SIGKILL)
+        killed = True
     output = finish(job, lines, timeout=120)
     assert killed and job.returncode == 0, output[-3000:]
-    assert "resuming from" in output
+    # the restarted group continued after its last checkpoint (step 2, written before the kill), once
+    assert output.count("epoch 1/2  step 1/3") == 1, output[-3000:]
+    assert_resumed_after(output)
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
 
@@ -114,10 +112,67 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_da
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert len(errors) == 1 and "diverged" in errors[0] and "--lr" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr  # (torchrun's own summary may follow)
-    for name in ("last.pt", "best.pt"):
-        if (tmp_path / "run" / name).exists():
-            state = load_model_state(tmp_path / "run" / name)
-            assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), name
+    # --save-every 1 saved the steps before the loss went NaN: last.pt is the last good one, finite, and so is
+    # best.pt where an epoch ended before (ddp 2: 3 steps an epoch)
+    diverged_at = int(errors[0].split(" at step ")[1].split()[0])
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    steps_per_epoch = 6 if mode == "single" else 3
+    assert 1 <= checkpoint_step(checkpoint, steps_per_epoch) < diverged_at, (checkpoint["samples"], errors[0])
+    saved = [tmp_path / "run" / "last.pt"] + ([tmp_path / "run" / "best.pt"] if diverged_at > steps_per_epoch else [])
+    for path in saved:
+        state = load_model_state(path)
+        broken = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        assert not broken, (path.name, broken)
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "launch"])
+def test_ctrl_c_in_a_terminal_stops_with_one_line(tiny_data, tmp_path, mode):
+    """The rungs without a stop vote: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal sends SIGINT
+    to its foreground process group, loader workers included; `kill -INT` on a background job would interrupt
+    nothing) ends the run with the script's one line, exit 130, no traceback, and no process left."""
+    token = uuid.uuid4().hex
+    env = job_env(TEST_JOB=token, TERM="dumb")
+    args = ["bash", "run.sh", mode, *([2] if mode == "launch" else []), *DEFAULTS, "--data-path", tiny_data,
+            "--output-dir", tmp_path / "run"]
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: bash run.sh in the terminal, as a user types it
+        try:
+            os.chdir(REPO)
+            os.execvpe("bash", [str(a) for a in args], env)
+        finally:
+            os._exit(127)
+    output, pressed, status, deadline = b"", None, None, time.time() + 180
+    try:
+        while time.time() < deadline:
+            if select.select([terminal], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(terminal, 4096)
+                except OSError:  # EIO: no process holds the terminal any more
+                    chunk = b""
+                output += chunk
+                if pressed is None and b"  step 1/" in output:
+                    os.write(terminal, b"\x03")  # Ctrl-C
+                    pressed = time.time()
+                if chunk:
+                    continue
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(code)
+                break
+    finally:
+        if status is None:  # still running at the deadline
+            kill_job(token)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+    text = output.decode(errors="replace").replace("\r\n", "\n")
+    assert pressed, f"no progress line within 180 s:\n{text[-3000:]}"
+    assert status is not None, f"still running {time.time() - pressed:.0f} s after Ctrl-C:\n{text[-3000:]}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    stops = [line for line in lines if "stopped by Ctrl-C" in line]  # the terminal echoes ^C before it
+    assert status == 130, text[-3000:]
+    assert len(stops) == 1 and stops[0] == lines[-1], text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert_job_gone(token)
 
 
 # The agent's report of a signal, as torch 2.14 prints it, in the two shapes a second signal gives it: interrupted

@@ -3,16 +3,17 @@ whose agents disagree, a resume with another world size or batch, nodes that see
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (REPO, assert_same_weights, deliver, finish, free_port, job_env, kill_mid_epoch,
-                      load_model_state, ok, ranks, run_script, start)
+from conftest import (assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job, kill_mid_epoch,
+                      load_model_state, ok, popen, ranks, run_job, run_script, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -21,9 +22,8 @@ EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", 
 
 
 def torchrun(nproc, script, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", script, *map(str, args)], cwd=REPO,
-                          env=env or job_env(), capture_output=True, text=True, timeout=150)
+    return run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+                    *args], env=env or job_env(), timeout=150)
 
 
 @pytest.mark.parametrize("mode,nproc", [("ddp", 1), ("ddp", 2), ("amp", 2)])
@@ -41,33 +41,93 @@ def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, tiny_data
     assert evaluated["confusion"] == results["confusion"] and evaluated["per_class_acc"] == results["per_class_acc"]
 
 
-@pytest.mark.parametrize("world_sizes,batches", [((2, 3), (8, 8)), ((2, 1), (8, 24)), ((3, 2), (4, 16))])
-@pytest.mark.parametrize("position", [0, 16, 40, 48])
-def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(world_sizes, batches, position):
-    """The samples of one epoch's shuffled order seen before a checkpoint and after its resume, with another number
-    of processes and batch size, are every sample once: none repeated, none skipped, as the scripts compute it."""
-    dataset = list(range(50))
-    before, after = world_sizes
-    order = list(DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3))  # the shared order
-    seen = set(order[:position])
-    global_batch = after * batches[1]
-    usable = len(DistributedSampler(dataset, num_replicas=after, rank=0, drop_last=True)) * after
-    steps_left = (usable - position) // global_batch  # what the scripts run: the same on every rank
-    for rank in range(after):
-        sampler = utils.EpochSampler(DistributedSampler(dataset, num_replicas=after, rank=rank, shuffle=True, seed=3,
-                                                        drop_last=True))
-        sampler.start(0, position)
-        mine = [index for _, index in sampler][:steps_left * batches[1]]
-        assert len(mine) == steps_left * batches[1], (rank, len(mine))  # every rank fills every step
-        assert not seen & set(mine), "a sample seen twice"
-        seen |= set(mine)
-    assert seen == set(order[:position + steps_left * global_batch])  # a prefix of the order: nothing skipped
+def epoch_order(n, seed, epoch):
+    """An epoch's shuffled order as DistributedSampler draws it (one permutation, the same for every world size)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+@pytest.mark.parametrize("before,after", [((2, 8), (3, 8)), ((2, 8), (1, 24)), ((3, 4), (2, 8)), ((1, 16), (3, 4)),
+                                          ((2, 7), (3, 4))])
+def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, after):
+    """A checkpoint written after any step of an epoch by W1 processes x batch B1, resumed by W2 processes x batch
+    B2 (each a (W, B) pair): the samples the first run's ranks trained on, and what each rank of the second run then
+    reads, as the scripts' samplers give them (utils.EpochSampler over DistributedSampler), against the order
+    itself. Each rank's whole remainder is its share of the rest of the order, so every rank fills each of the
+    steps the scripts run, no sample is repeated and none skipped."""
+    dataset, seed = list(range(50)), 3
+    order = epoch_order(len(dataset), seed, 0)
+
+    def sampler(world_size, rank):
+        return utils.EpochSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                                     seed=seed, drop_last=True))
+
+    (w1, b1), (w2, b2) = before, after
+    usable1, usable2 = len(dataset) // w1 * w1, len(dataset) // w2 * w2  # drop_last: the same count on each rank
+    stepped = 0
+    for steps_done in range(usable1 // w1 // b1):  # a checkpoint after each step of the first run's epoch
+        position = steps_done * w1 * b1  # what the checkpoint saves: samples of the order done
+        seen = []
+        for rank in range(w1):
+            first = sampler(w1, rank)
+            first.start(0, 0)
+            seen += [index for _, index in first][:steps_done * b1]
+        assert sorted(seen) == sorted(order[:position])  # the first run trained on a prefix of the order
+
+        steps_per_epoch = usable2 // w2 // b2
+        start_step = steps_per_epoch - (usable2 - position) // (w2 * b2)  # as the scripts compute it
+        steps_left = steps_per_epoch - start_step
+        resumed = []
+        for rank in range(w2):
+            second = sampler(w2, rank)
+            second.start(0, position)
+            mine = [index for _, index in second]
+            rest = order[position:usable2]
+            assert mine == rest[(rank - position) % w2::w2], (rank, position)  # the whole remainder: its share
+            assert len(mine) >= steps_left * b2, (rank, len(mine), steps_left)  # enough for every step run
+            resumed += mine[:steps_left * b2]
+        assert sorted(seen + resumed) == sorted(order[:position + steps_left * w2 * b2])  # none twice, none skipped
+        stepped += steps_left > 0
+    assert stepped >= 2  # most checkpoints leave steps to run: the comparisons above are not of empty lists
+
+
+def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0, img_size=32):
+    """The reference for a resume at another size, computed in this process without the scripts' samplers: the
+    checkpoint's head (with --freeze only the head trains, and BatchNorm keeps its statistics) continued by SGD on
+    the rest of each epoch's order (epoch_order), global_batch samples a step, as many steps as fit."""
+    classes, train, _ = utils.find_images(data, 0.25)
+    dataset = utils.ImageFiles(train, img_size, train=True, seed=seed)
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    model = utils.build_model("resnet18", len(classes), freeze=True)
+    model.load_state_dict(checkpoint["model"])
+    utils.train_mode(model, freeze=True)
+    peak = lr * global_batch / 256
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=peak, momentum=0.9,
+                                weight_decay=1e-4)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    steps_per_epoch = len(train) // global_batch
+    schedule = utils.warmup_cosine(epochs * steps_per_epoch)
+    position = checkpoint["samples"]
+    for epoch in range(checkpoint["epoch"], epochs):
+        order = epoch_order(len(train), seed, epoch)
+        first_step = steps_per_epoch - (len(train) - position) // global_batch
+        for step in range(first_step, steps_per_epoch):
+            batch = [dataset[(epoch, index)] for index in order[position:position + global_batch]]
+            position += global_batch
+            images, labels = torch.stack([image for image, _ in batch]), torch.tensor([label for _, label in batch])
+            F.cross_entropy(model(utils.normalize(images)), labels).backward()
+            for group in optimizer.param_groups:
+                group["lr"] = peak * schedule(epoch * steps_per_epoch + step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        position = 0
+    return model.state_dict()
 
 
 def test_resume_at_another_world_size_and_batch_continues_the_same_training(tiny_data, tmp_path):
-    """A checkpoint saved mid-epoch by 2 processes x batch 8 continues on 3 processes x batch 8, and, as the
-    reference, in one process with batch 24: the same samples from the same point, the LR of the new global
-    batch, and the same weights at the end (with --freeze the forward pass of a sample ignores its batch)."""
+    """A checkpoint saved mid-epoch by 2 processes x batch 8 continues on 3 processes x batch 8, and in one process
+    with batch 24: the same samples from the same point, the LR of the new global batch, and the weights this test
+    computes itself from the checkpoint and the shuffled order (continue_here, which does not use the scripts'
+    skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
     args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
     checkpoint = kill_mid_epoch("ddp", args, tmp_path / "two")
     shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
@@ -80,13 +140,18 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(tiny
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout
         assert "lr 0.1 x 24/256 = 0.009375" in proc.stdout
+        # in steps of 24 (2 an epoch): 16 samples done leave one step of epoch 1, 32 leave none (too few for a step)
+        assert assert_resumed_after(proc.stdout)[0] == {16: 2, 32: 3}[checkpoint["samples"]], proc.stdout[-3000:]
         # the first step's LR: the new peak LR, at this step of the new run's schedule (2 steps of 24 an epoch)
         first = next(line for line in proc.stdout.splitlines() if "  step " in line)
         epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
         expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
         assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
-    assert_same_weights(load_model_state(tmp_path / "three" / "last.pt"),
-                        load_model_state(tmp_path / "one" / "last.pt"), atol=TOL)
+    reference = continue_here(tmp_path / "saved.pt", tiny_data, global_batch=24)
+    saved = checkpoint["model"]
+    assert (reference["fc.weight"] - saved["fc.weight"]).abs().max() > 100 * TOL  # the steps left moved the head
+    for name in ("three", "one"):
+        assert_same_weights(load_model_state(tmp_path / name / "last.pt"), reference, atol=TOL)
 
 
 @pytest.fixture(scope="module")
@@ -103,41 +168,79 @@ def read_lines(job, into):
     return thread
 
 
+def pending_signals(pid):
+    """The signals sent to a process and not yet delivered (it is stopped, or blocks them)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    mask = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    return {signal.Signals(bit + 1) for bit in range(64) if mask >> bit & 1 and bit + 1 in signal.valid_signals()}
+
+
 def test_restart_across_nodes_whose_agents_count_differently(exact_reference, tiny_data, tmp_path):
     """Two torchrun agents (nodes) with --max-restarts=1. One node's worker hangs (SIGSTOP, as a rank does when its
     NCCL peer died) and the other node's worker dies (SIGKILL). The second agent counts a restart; the first
-    restarts for the membership change, which torchrun does not count, so the two nodes' restart counts differ.
-    Both must still meet, resume from the checkpoint and finish with the uninterrupted weights."""
+    restarts for the membership change, which torchrun does not count, so the two nodes' restart counts differ (the
+    agents' own log lines say which each did). Both must still meet, resume from the checkpoint and finish with the
+    uninterrupted weights."""
     env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-restart",
-                  TORCHRUN_ARGS="--max-restarts=1")
+                  TORCHRUN_ARGS="--max-restarts=1", LOGLEVEL="INFO")  # INFO: the agents say why they restart
     args = ["ddp", 1, *EXACT, "--data-path", tiny_data, "-b", "8", "--save-every", "1",
             "--output-dir", tmp_path / "run"]
-    nodes = [start(*args, env=env) for _ in range(2)]
+    nodes = [start(*args, env=env, timeout=300) for _ in range(2)]
     outputs = [[], []]
     readers = [read_lines(node, out) for node, out in zip(nodes, outputs)]
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 150
         while not any("epoch 1/2  step 2/3" in line for out in outputs for line in out):
             assert time.time() < deadline and all(node.poll() is None for node in nodes), outputs
             time.sleep(0.05)
         stuck, killed = (next(iter(ranks(node).values())) for node in nodes)
         os.kill(stuck, signal.SIGSTOP)
         os.kill(killed, signal.SIGKILL)
-        time.sleep(3)  # the second agent re-rendezvouses; the first sees it waiting and stops its worker
-        os.kill(stuck, signal.SIGCONT)  # (else torchrun SIGKILLs it after 30 s): it has a SIGTERM to act on
+        # the second agent re-rendezvouses; the first sees it waiting and stops its worker: SIGTERM, held while it
+        # is stopped (torchrun SIGKILLs it 30 s later). Wait for that SIGTERM, then let the worker act on it.
+        deadline = time.time() + 60
+        while signal.SIGTERM not in pending_signals(stuck):
+            assert time.time() < deadline, f"the first agent never stopped its worker:\n{''.join(outputs[0])[-3000:]}"
+            time.sleep(0.05)
+        os.kill(stuck, signal.SIGCONT)
         for node in nodes:
-            node.wait(timeout=150)
+            node.wait(timeout=180)
     finally:
         for node in nodes:
-            if node.poll() is None:
-                deliver(node, "every process", signal.SIGKILL)
+            node.watchdog.cancel()
+            kill_job(node.token)
         for reader in readers:
             reader.join(timeout=10)
     text = ["".join(out) for out in outputs]
     assert [node.returncode for node in nodes] == [0, 0], [t[-3000:] for t in text]
-    assert any("resuming from" in t for t in text), text
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in text[1], text[1][-3000:]
+    assert "new nodes from group_rank=" in text[0] and "Worker group FAILED" not in text[0], text[0][-3000:]
+    resumed = [t for t in text if "resuming from" in t]
+    assert len(resumed) == 1, text
+    assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_reference / "last.pt"),
                         atol=TOL)
+
+
+def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
+    """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
+    the variable, before it trains."""
+    env = job_env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-shared-store",
+           "train_ddp_torchrun.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / "run"]
+    nodes = [popen(cmd, env=env, timeout=200) for _ in range(2)]
+    outputs = [finish(node, [], timeout=180) for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode != 0, output[-3000:]
+        errors = {line for line in output.splitlines() if line.startswith("error:")}
+        assert errors == {"error: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                          "environment (run.sh sets it), or the restarted nodes may never meet again"}, output[-3000:]
+        assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
 def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tmp_path):

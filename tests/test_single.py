@@ -20,7 +20,9 @@ import pytest
 import torch
 import torchvision
 
-from conftest import FAST, NO_NETWORK, REPO, assert_same_weights, load_model_state, make_dataset, run_script
+import utils
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_job,
+                      run_script)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -78,12 +80,13 @@ def assert_untouched(before):
 # ------------------------------------------------------------------------------------------ shared runs
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """Three complete runs: the baseline, the same again, and the same with 2 loader workers.
+    """Three complete runs: the baseline, the same again (with --resume auto in a new folder, which starts fresh),
+    and the same with 2 loader workers.
 
     One after the other: side by side, their threads would fight over the 2 cores and take several times longer.
     """
     root = tmp_path_factory.mktemp("runs")
-    variants = {"baseline": [], "repeat": [], "workers2": ["--workers", "2"]}
+    variants = {"baseline": [], "repeat": ["--resume", "auto"], "workers2": ["--workers", "2"]}
     return {name: SimpleNamespace(dir=root / name,
                                   proc=run_script(SCRIPT, *train_args(tiny_data, root / name, *extra)))
             for name, extra in variants.items()}
@@ -96,7 +99,10 @@ def baseline(runs):
 
 
 def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
+    """The repeat ran with --resume auto in a folder without last.pt: it started fresh, from step 1."""
     check_ok(runs["repeat"].proc)
+    assert "resuming from" not in runs["repeat"].proc.stdout
+    assert progress_steps(runs["repeat"].proc.stdout) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     trained = load_model_state(baseline.dir / "last.pt")
     assert_same_weights(trained, load_model_state(runs["repeat"].dir / "last.pt"))
     assert_same_weights(load_model_state(baseline.dir / "best.pt"), load_model_state(runs["repeat"].dir / "best.pt"))
@@ -113,7 +119,6 @@ def test_loader_workers_do_not_change_weights(runs, baseline):
 
 
 def test_results_and_checkpoints(baseline, tiny_data):
-    import utils
     _, _, val = utils.find_images(tiny_data, 0.25)
     results = json.loads((baseline.dir / "results.json").read_text())
     for key in ("best_acc", "final_acc"):
@@ -126,12 +131,6 @@ def test_results_and_checkpoints(baseline, tiny_data):
     assert results["train_img_per_s"] > 0
     assert results["wall_s"] > 0
     assert json.loads((baseline.dir / "class_indices.json").read_text()) == {"0": "c0", "1": "c1", "2": "c2"}
-    # Per class: rows of the confusion matrix are the true classes (6, 5 and 6 validation images), columns predicted
-    confusion = torch.tensor(results["confusion"])
-    assert confusion.shape == (3, 3) and confusion.sum(dim=1).tolist() == [6, 5, 6]
-    assert confusion.trace().item() / VAL_COUNT == pytest.approx(results["final_acc"])
-    assert results["per_class_acc"] == {name: confusion[i, i].item() / confusion[i].sum().item()
-                                        for i, name in enumerate(["c0", "c1", "c2"])}
     weakest = min(results["per_class_acc"], key=results["per_class_acc"].get)
     assert f"weakest classes: {weakest} {100 * results['per_class_acc'][weakest]:.1f}%" in baseline.proc.stdout
     epoch_lines = [line for line in baseline.proc.stdout.splitlines() if re.match(r"epoch \d+/\d+  val loss", line)]
@@ -141,6 +140,46 @@ def test_results_and_checkpoints(baseline, tiny_data):
         checkpoint = torch.load(baseline.dir / name, map_location="cpu", weights_only=True)
         model = torchvision.models.resnet18(num_classes=3)
         model.load_state_dict(checkpoint["model"])  # strict: a plain state dict, no "module." prefix
+
+
+def counted_here(state, val):
+    """The confusion matrix of `state` (a resnet18 state dict) on the validation files, made in this process without
+    the scripts' evaluate(): each image scored on its own row (its class from the file list), in the scripts'
+    batches of 8 (the same sums, the same predictions)."""
+    model = torchvision.models.resnet18(num_classes=3)
+    model.load_state_dict(state)
+    model.eval()
+    images = utils.ImageFiles(val, 32, train=False)
+    counts = torch.zeros(3, 3, dtype=torch.int64)
+    with torch.no_grad():
+        for first in range(0, len(val), 8):
+            batch = range(first, min(first + 8, len(val)))
+            predicted = model(utils.normalize(torch.stack([images[i][0] for i in batch]))).argmax(dim=1)
+            for i, guess in zip(batch, predicted.tolist()):
+                counts[val[i][1], guess] += 1
+    return counts
+
+
+def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_data, tmp_path):
+    """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
+    evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
+    far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
+    _, _, val = utils.find_images(tiny_data, 0.25)
+    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
+    torch.manual_seed(0)
+    checkpoint["model"] = utils.build_model("resnet18", 3).state_dict()  # the weights training started from
+    torch.save(checkpoint, tmp_path / "untrained.pt")
+    check_ok(run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
+                        "--resume", tmp_path / "untrained.pt", "--output-dir", tmp_path / "eval"))
+    for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
+                                  (tmp_path / "eval" / "results.json", checkpoint["model"])):
+        results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
+        assert counts.sum(dim=1).tolist() == [6, 5, 6]
+        assert results["confusion"] == counts.tolist(), (results_json, results["confusion"], counts)
+        assert results["per_class_acc"] == pytest.approx({name: counts[i, i].item() / counts[i].sum().item()
+                                                          for i, name in enumerate(["c0", "c1", "c2"])})
+        assert results.get("final_acc", results.get("val_acc")) == pytest.approx(counts.trace().item() / VAL_COUNT)
+    assert not torch.equal(counts, counts.T), counts  # the untrained model's: rows and columns tell apart
 
 
 def test_test_only_evaluates_without_touching_the_run(baseline, tiny_data, tmp_path):
@@ -186,8 +225,6 @@ def test_tensorboard_scalars(baseline):
 def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
     """Logger.timed counts the time the loop waits for a batch: a loader as slow as the step is about half the
     training time, and the epoch line says what to try; a fast one is about 0% and says nothing more."""
-    import utils
-
     def batches(seconds):
         for index in range(4):
             time.sleep(seconds)
@@ -212,7 +249,7 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
 def resumed(tiny_data, tmp_path_factory):
     """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
     out = tmp_path_factory.mktemp("resume") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    env = cpu_env(OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
     command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
     stdout, killed_after = [], None
     with open(out.parent / "killed.stderr", "w") as stderr:
@@ -294,7 +331,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
         "print('second written', flush=True)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", child, str(REPO), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+                            stderr=subprocess.DEVNULL, text=True, env=cpu_env(OMP_NUM_THREADS="2"))
     watchdog = threading.Timer(60, proc.kill)
     watchdog.start()
     temporary = out / f".last.pt.{proc.pid}.tmp"
@@ -320,7 +357,6 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- demo data
 def test_demo_data_is_deterministic(tmp_path):
-    import utils
     utils.make_demo_images(tmp_path / "a", per_class=3)
     utils.make_demo_images(tmp_path / "b", per_class=3)
     assert len(utils.DEMO_CLASSES) == 5
@@ -358,6 +394,12 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     old_run = tmp_path / "old_run"
     old_run.mkdir()
     shutil.copyfile(baseline.dir / "last.pt", old_run / "last.pt")
+    results_only = tmp_path / "results_only"  # what --test-only leaves, say
+    results_only.mkdir()
+    shutil.copyfile(baseline.dir / "results.json", results_only / "results.json")
+    older = torch.load(old_run / "last.pt", weights_only=True)
+    del older["samples"]  # a checkpoint from before the position was kept in samples
+    torch.save(older, tmp_path / "older.pt")
     truncated = tmp_path / "truncated.pt"
     data = (old_run / "last.pt").read_bytes()
     truncated.write_bytes(data[:len(data) // 2])
@@ -394,6 +436,8 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         "--resume text file": (["--data-path", tiny_data, "--resume", text_pt], ["x.pt", "checkpoint"]),
         "--resume other classes": (["--data-path", two_classes, "--resume", old_run / "last.pt"],
                                    ["last.pt", "class"]),
+        "--resume without samples": (["--data-path", tiny_data, "--resume", tmp_path / "older.pt"],
+                                     ["older.pt", "older version", "--weights"]),
         "--weights of resnet50": (["--data-path", tiny_data, "--weights", resnet50], ["resnet50.pt", "resnet18"]),
         "--weights truncated": (["--data-path", tiny_data, "--weights", cut_weights], ["cut_weights", "checkpoint"]),
         "--weights named for resnet50": (["--data-path", tiny_data, "--weights", "ResNet50_Weights.IMAGENET1K_V2"],
@@ -408,6 +452,8 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         "--device cuda": (["--data-path", tiny_data, "--device", "cuda"], ["cuda", "gpu"]),
         "--output-dir of an earlier run": (["--data-path", tiny_data, "--output-dir", old_run],
                                            ["old_run", ("already", "earlier", "exists")]),
+        "--output-dir holding only results.json": (["--data-path", tiny_data, "--output-dir", results_only],
+                                                   ["results_only", "results.json", "--resume auto"]),
     }
     before = snapshot(tmp_path, tiny_data)
 
@@ -416,8 +462,8 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         output_dir = ["--output-dir", tmp_path / "out" / re.sub(r"\W+", "_", name)]
         try:
             return run_script(SCRIPT, "--val-fraction", "0.25", *FAST, *output_dir, *args, timeout=60,
-                              env=dict(os.environ, OMP_NUM_THREADS="1",  # one thread each: they run 3 at a time
-                                       TORCH_HOME=str(torch_home), **NO_NETWORK))
+                              env=cpu_env(OMP_NUM_THREADS="1",  # one thread each: they run 3 at a time
+                                          TORCH_HOME=str(torch_home), **NO_NETWORK))
         except subprocess.TimeoutExpired:
             return None
 
@@ -450,10 +496,10 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ run.sh
 def test_run_sh_usage():
-    bad = subprocess.run(["bash", "run.sh", "nonsense"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    bad = run_job(["bash", "run.sh", "nonsense"], env=cpu_env(), timeout=30)
     assert bad.returncode == 2
     assert "usage: bash run.sh MODE" in bad.stdout + bad.stderr and "single" in bad.stdout + bad.stderr
-    good = subprocess.run(["bash", "run.sh", "help"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    good = run_job(["bash", "run.sh", "help"], env=cpu_env(), timeout=30)
     assert good.returncode == 0
     assert "usage: bash run.sh MODE" in good.stdout
 
@@ -461,7 +507,6 @@ def test_run_sh_usage():
 def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, tmp_path):
     """--weights from a 1000-class torchvision state dict: the head is skipped (shape differs), and with --freeze
     the backbone, BatchNorm statistics included, ends exactly as loaded while the new head learns."""
-    import torchvision
     torch.manual_seed(123)
     pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()
     torch.save(pretrained, tmp_path / "resnet18.pth")
@@ -472,3 +517,7 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, t
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}
     assert_same_weights({k: trained[k] for k in backbone}, backbone)
     assert trained["fc.weight"].shape == (3, 512)
+    torch.manual_seed(0)  # the script's seed: the new head starts as this model's
+    initial = utils.build_model("resnet18", 3).state_dict()
+    for key in ("fc.weight", "fc.bias"):
+        assert (trained[key] - initial[key]).abs().max() > 1e-3, f"{key} did not train"

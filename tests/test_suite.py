@@ -1,0 +1,54 @@
+"""The suite's own promises: the CPU tests hide the GPUs from everything they start (only tests/test_gpu.py sees
+them), and a job a test starts ends at its time limit, every process of it, even one that stalls without output."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import conftest
+from conftest import assert_job_gone, cpu_env, finish, job_env, popen, run_job, run_script, start
+
+
+def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
+    """On a GPU machine a CPU test that let a process see a GPU would train on it (cuDNN is not bitwise), or make
+    run.sh refuse 2 processes on one GPU: every environment the CPU tests give, and the one a started process
+    inherits, says CUDA_VISIBLE_DEVICES= (empty); test_gpu.py's keeps what the suite was started with."""
+    import test_faults
+    import test_gpu
+    envs = {"os.environ (inherited)": dict(os.environ), "cpu_env()": cpu_env(), "job_env()": job_env(),
+            "test_faults.env_1_thread()": test_faults.env_1_thread()}
+    exposed = {name: env.get("CUDA_VISIBLE_DEVICES") for name, env in envs.items()
+               if env.get("CUDA_VISIBLE_DEVICES") != ""}
+    assert not exposed, f"these environments do not hide the GPUs: {exposed}"
+    assert test_gpu.env().get("CUDA_VISIBLE_DEVICES") == conftest.USER_VISIBLE_DEVICES
+
+    # What real processes got: run_script's default environment, and start()'s (bash run.sh) read from /proc
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
+    assert run_script(probe).stdout.strip() == "''"
+    job = start("single", "--help")
+    with open(f"/proc/{job.pid}/environ", "rb") as f:
+        environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    finish(job, [], timeout=60)
+    assert environ.get(b"CUDA_VISIBLE_DEVICES") == b"", environ.get(b"CUDA_VISIBLE_DEVICES")
+
+
+def test_a_job_that_stalls_without_output_is_ended_at_its_time_limit():
+    """A job whose process tree goes silent (here: a child in a session of its own, as torchrun's workers are,
+    holding the output pipe open): the loop reading its output ends at the watchdog's limit, and every process of
+    the job is killed, the orphaned one too. run_job does the same for jobs run to completion."""
+    stall = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True);"
+             " print('started', flush=True); time.sleep(60)"]
+    started = time.time()
+    job = popen(stall, env=cpu_env(), timeout=3)
+    lines = list(job.stdout)  # no deadline of its own: the watchdog ends it
+    assert lines == ["started\n"] and time.time() - started < 30
+    finish(job, lines, timeout=10)
+    assert_job_gone(job.token, within=10)
+
+    started = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_job(stall, env=cpu_env(), timeout=3)
+    assert time.time() - started < 30
