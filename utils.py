@@ -490,13 +490,14 @@ def load_checkpoint(path, model_name, classes):
 
 # ------------------------------------------------------------------------------------------ how a run ends
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
+TIMED_OUT = re.compile(r"timed out|timeout", re.I)
 
 
 @contextlib.contextmanager
 def one_line_errors():
     """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
     the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
-    130. A collective whose peer has gone: one line. Anything else: its traceback, exit 1. Whatever the ending, loader
+    130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1. Whatever the ending, loader
     workers are ended first: they ignore SIGTERM (ignore_stop_signals), and Python's exit would wait for them."""
     local_rank_0 = int(os.environ.get("LOCAL_RANK", 0)) == 0
     try:
@@ -517,9 +518,14 @@ def one_line_errors():
     except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
         status = exit.code
     except BaseException as error:
+        first_line = str(error).strip().splitlines()[0][-100:] if str(error).strip() else repr(error)
         if PEER_GONE.search(str(error)):  # a consequence: the process that ended first says why
-            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended "
-                  f"({str(error).splitlines()[0][-100:]})", file=sys.stderr)
+            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line})",
+                  file=sys.stderr)
+        elif isinstance(error, getattr(torch.distributed, "DistError", ())) and TIMED_OUT.search(str(error)):
+            if local_rank_0:
+                print(f"error: the other processes did not all answer within --dist-timeout ({first_line}): one is "
+                      f"missing or stuck; start every process (every node), or raise --dist-timeout", file=sys.stderr)
         else:
             traceback.print_exc()
         status = 1

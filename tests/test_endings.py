@@ -2,43 +2,22 @@
 would run different numbers of batches, a sharded save at a step number that was saved before, a mixed-precision
 resume from another rung's checkpoint, and the teardown of the FSDP process group. Real processes, the defaults.
 """
-import os
-import queue
 import shutil
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
-import utils
-from conftest import (DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, finish, job_env, kill_mid_epoch,
-                      load_model_state, ok, run_script, start)
+from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants, finish, free_port,
+                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, start)
 
 EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
          "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
 
 
-def lines_of(job, timeout):
-    """The job's output lines as they come; fails the test if they stop coming for `timeout` seconds."""
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [*map(lines.put, job.stdout), lines.put(None)], daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no output for {timeout} s") from None
-        if line is None:
-            return
-        yield line
-
-
 def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
-    return subprocess.run([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script,
-                           *map(str, args)], cwd=REPO, env=job_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_job([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script, *args],
+                   env=job_env(), timeout=timeout)
 
 
 def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp_path):
@@ -48,26 +27,18 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     job, lines = start("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run"), []
-    removed, pids = None, []
-    for line in lines_of(job, timeout=120):
-        lines.append(line)
-        if "epoch 1/3  val loss" in line:
-            pids = descendants(job.pid)
-            for folder in data.iterdir():
-                shutil.rmtree(folder)
-            removed = time.time()
-            break
-    assert removed, "".join(lines)[-3000:]
-    try:
-        output = finish(job, lines, timeout=45)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the job was still running 45 s after its images disappeared") from None
+    assert read_until(job, lines, "epoch 1/3  val loss"), "".join(lines)[-3000:]
+    pids = descendants(job.pid)
+    for folder in data.iterdir():
+        shutil.rmtree(folder)
+    output = finish(job, lines, timeout=45)  # before: every rank still waiting at exit for its workers
     assert job.returncode == 1, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert errors and all(line.startswith("error: cannot decode image") for line in errors), output[-3000:]
-    worker_tracebacks = [t for t in output.split("Traceback (most recent call last):")[1:] if "ChildFailedError" not in t]
-    assert not worker_tracebacks, output[-3000:]  # (torchrun's own report of the failed workers: run.sh's to filter)
+    tracebacks = [t for t in output.split("Traceback (most recent call last):")[1:] if "ChildFailedError" not in t]
+    assert not tracebacks, output[-3000:]  # (torchrun's own report of the failed workers: run.sh's to filter)
     assert_gone(pids)
+    assert_job_gone(job.token)
 
 
 def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(tiny_data, tmp_path):
@@ -151,8 +122,7 @@ print("initialized after:", dist.is_initialized())
 def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(case):
     """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
     torch release renames it, the exit must still end with the script's own status, not a traceback."""
-    env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
-    proc = subprocess.run([sys.executable, "-c", TEARDOWN, str(REPO), case], env=env, capture_output=True, text=True,
-                          timeout=60)
+    env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = run_job([sys.executable, "-c", TEARDOWN, REPO, case], env=env, timeout=60)
     assert proc.returncode == 0 and "initialized after: False" in proc.stdout, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

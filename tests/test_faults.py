@@ -90,6 +90,9 @@ def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
     took = time.time() - started
     assert job.returncode != 0, output[-3000:]
     assert took >= dist_timeout and "timeout" in output.lower(), (took, output[-3000:])  # it waited, then gave up
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "did not all answer within --dist-timeout" in errors[0], output[-3000:]
+    assert "DistStoreError" not in output.split(errors[0])[0], output[-3000:]  # one line, not the rank's traceback
     assert not (tmp_path / "run" / "last.pt").exists()
     assert_job_gone(job.token)
 

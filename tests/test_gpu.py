@@ -12,6 +12,7 @@ counted in LAUNCHES below.
 import json
 import math
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish, gpu_env,
-                      load_model_state, ok, read_until, run_sh, start)
+from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
+                      gpu_env, load_model_state, ok, read_until, run_sh, start)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bash run.sh gpucheck runs these on a GPU machine)")
@@ -173,8 +174,10 @@ def test_the_training_loop_reads_the_gpu_only_at_progress_lines(tiny_data, tmp_p
     out = tmp_path / "run"
     proc = ok(run_sh(mode, 1, "--img-size", "32", "-b", "2", "--epochs", "1", "--val-fraction", "0.25",
                      "--data-path", tiny_data, "--profile", "10", "--output-dir", out, env=env()))
-    summary = [line for line in proc.stdout.splitlines() if line.startswith("profile:")]
-    assert summary and ", 0.20 host reads of device values (syncs) per step;" in summary[0], proc.stdout[-2000:]
+    assert f"python tools/profile_report.py {out / 'trace.json'}" in proc.stdout, proc.stdout[-2000:]
+    report = subprocess.run([sys.executable, "tools/profile_report.py", str(out / "trace.json")], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)  # host-side events only: not the GPU's copies
+    assert report.stdout.rstrip().endswith(", 0.20 host reads of device values (syncs) per step"), report
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
