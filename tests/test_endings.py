@@ -89,8 +89,8 @@ def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(defau
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler'."""
     shutil.copytree(default_runs / "ddp", tmp_path / "run")
-    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, "--epochs", "3", "--data-path", tiny_data, "--resume",
-                       tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run"))
+    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, "--epochs", "3", "--workers", "0", "--data-path", tiny_data,
+                       "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run", timeout=300))
     assert "resuming from" in proc.stdout and "epoch 3 after 0 of its 50 samples" in proc.stdout, proc.stdout[-2000:]
     assert "epoch 3/3  step 1/3" in proc.stdout and "epoch 2/3  step" not in proc.stdout, proc.stdout[-2000:]
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3

@@ -52,8 +52,9 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
     """A checkpoint written after any step of an epoch by W1 processes x batch B1, resumed by W2 processes x batch
     B2 (each a (W, B) pair): the samples the first run's ranks trained on, and what each rank of the second run then
     reads, as the scripts' samplers give them (utils.EpochSampler over DistributedSampler), against the order
-    itself. Each rank's whole remainder is its share of the rest of the order, so every rank fills each of the
-    steps the scripts run, no sample is repeated and none skipped."""
+    itself. Each rank's whole remainder is its share of the rest of the order, as long on every rank (else one rank
+    would run a batch more than the others: mismatched collectives), so every rank fills each of the steps the
+    scripts run, no sample is repeated and none skipped."""
     dataset, seed = list(range(50)), 3
     order = epoch_order(len(dataset), seed, 0)
 
@@ -82,7 +83,8 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
             second.start(0, position)
             mine = [index for _, index in second]
             rest = order[position:usable2]
-            assert mine == rest[(rank - position) % w2::w2], (rank, position)  # the whole remainder: its share
+            share = rest[(rank - position) % w2::w2][:len(rest) // w2]  # as many on every rank: the same batches
+            assert mine == share, (rank, position)  # the whole remainder: its share of the rest of the order
             assert len(mine) >= steps_left * b2, (rank, len(mine), steps_left)  # enough for every step run
             resumed += mine[:steps_left * b2]
         assert sorted(seen + resumed) == sorted(order[:position + steps_left * w2 * b2])  # none twice, none skipped
