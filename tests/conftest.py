@@ -282,3 +282,31 @@ def kill_mid_epoch(mode, args, output_dir):
     checkpoint = torch.load(output_dir / "last.pt", weights_only=True)
     assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
     return checkpoint
+
+
+# ------------------------------------------------------------------------- bounding what run.sh starts
+def kill_all(pids):
+    """SIGKILL each of pids that is still there (processes this test started, recorded while they ran)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def read_until(job, text, timeout):
+    """The lines of job.stdout up to the first one that contains text. A watchdog kills the job and every process
+    under it if that takes longer than timeout seconds (run.sh's launcher and output filter run in process groups
+    of their own, so killing run.sh's group would not end the read)."""
+    import threading
+    watchdog = threading.Timer(timeout, lambda: kill_all([job.pid, *descendants(job.pid)]))
+    watchdog.start()
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if text in line:
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"{text!r} did not come within {timeout} s:\n" + "".join(lines)[-3000:])
