@@ -67,9 +67,9 @@ if [ "$gpus" -gt 0 ] && [ "$nproc" -gt "$gpus" ]; then
   fi
   # One machine: N processes on the CPU give the global batch and the results of N GPUs, so the first command
   # shows N processes cooperating wherever it runs.
-  if [ "$gpus" -gt 1 ]; then s=s; else s=; fi
-  echo "run.sh: $nproc processes but $gpus visible GPU$s: training on the CPU (gloo); use N <= $gpus to train on" \
-       "the GPU$s" >&2
+  if [ "$gpus" -gt 1 ]; then plural=s; else plural=; fi
+  echo "run.sh: $nproc processes but $gpus visible GPU$plural: training on the CPU (gloo); use N <= $gpus to train" \
+       "on the GPU$plural" >&2
   export CUDA_VISIBLE_DEVICES=
   gpus=0
 fi
@@ -95,7 +95,7 @@ if [ "${NNODES:-1}" -gt 1 ]; then
   # reach it at, and gloo which interface to bind: wrong wherever the hostname names another interface. MASTER_ADDR
   # says it better (tools/hosts.py prints one line); what the user set (TORCHRUN_ARGS, *_SOCKET_IFNAME) wins.
   plan=$("$PYTHON" tools/hosts.py plan) || exit 2
-  read -r wait is_host local_addr ifname <<< "$plan"
+  read -r must_wait is_host local_addr ifname <<< "$plan"
   conf=join_timeout=$RDZV_TIMEOUT
   if [ "$is_host" != - ]; then conf+=,is_host=$is_host; fi
   where=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
@@ -106,7 +106,7 @@ if [ "${NNODES:-1}" -gt 1 ]; then
   fi
   # The other nodes wait here until the host's store answers, so that a wrong address or a closed port ends
   # within RDZV_TIMEOUT with one line saying what this node could not reach (torchrun's client retries for minutes).
-  if [ "$wait" = 1 ]; then "$PYTHON" tools/hosts.py wait || exit $?; fi
+  if [ "$must_wait" = 1 ]; then "$PYTHON" tools/hosts.py wait || exit $?; fi
 else
   where=(--standalone)
 fi
@@ -125,7 +125,7 @@ esac
 # `error:` line; the report stays in a log file that one line names), shows any other traceback whole, keeps
 # reading when the terminal is gone (so the ranks can still save), and exits with the number of the signal that
 # stopped the launcher (the exit status is then 128 + that signal, as for the ranks).
-tmp=$(mktemp -d) log=$(mktemp "${TMPDIR:-/tmp}/run.sh-$mode-XXXXXX.log")
+tmp=$(mktemp -d) log=$(mktemp "${TMPDIR:-/tmp}/run.sh-$mode-log.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 mkfifo "$tmp/out" "$tmp/err"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py

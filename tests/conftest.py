@@ -309,4 +309,5 @@ def read_until(job, text, timeout):
                 return lines
     finally:
         watchdog.cancel()
-    raise AssertionError(f"{text!r} did not come within {timeout} s:\n" + "".join(lines)[-3000:])
+    raise AssertionError(f"{text!r} did not come (the output ended, or {timeout} s passed):\n"
+                         + "".join(lines)[-3000:])

@@ -84,7 +84,8 @@ def run_nodes(commands, env, tmp_path, timeout):
 
 
 def nodes_env(master_addr, **extra):
-    return {**job_env(), "NNODES": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": "29500",
+    """Two nodes; RDZV_TIMEOUT bounds every wait for the other node (they meet within seconds when they can)."""
+    return {**job_env(), "NNODES": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
             "RDZV_ID": f"hosts-{os.getpid()}-{time.time_ns()}", **extra}
 
 
@@ -157,8 +158,9 @@ def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hos
     (ns_a, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
     env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": address_a, "MASTER_PORT": "29500"}
     listener = subprocess.Popen(in_host(hosts["a"], [sys.executable, "-c", (
-        "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); "
-        "time.sleep(60)")]), stdout=subprocess.PIPE, text=True, start_new_session=True)
+        "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)")]),  # (after the jobs' stores)
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert listener.stdout.readline() == "up\n"  # bounded: the listener ends within 60 s
         answered = subprocess.run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), cwd=REPO,
@@ -178,6 +180,7 @@ def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hos
         # the namespaces share this machine's hostname and /etc/hosts: it resolves to loopback (as `vm` does here) or
         # to an address of the machine outside the namespaces, never to the address the other host can reach
         hostname = [line for line in lines if "hostname" in line]
-        assert len(hostname) == 1 and hostname[0].startswith(f"warn  hostname {socket.gethostname()} resolves to "), lines
+        assert len(hostname) == 1, lines
+        assert hostname[0].startswith(f"warn  hostname {socket.gethostname()} resolves to "), hostname
         assert "other machines cannot connect" in hostname[0] and "GLOO_SOCKET_IFNAME" in hostname[0], hostname
         assert any(line.startswith("ok    MASTER_ADDR=") and port in line for line in lines), lines

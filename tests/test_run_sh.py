@@ -137,7 +137,7 @@ def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_l
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     others = [line for line in proc.stderr.splitlines() if line not in errors]
-    logs = list(tmp_path.glob("run.sh-*.log"))
+    logs = list(tmp_path.glob("run.sh-*-log.*"))
     assert others == [f"run.sh: the launcher's full report: {logs[0]}"], proc.stderr[-3000:]
     report = logs[0].read_text()
     assert errors[0] in report and "ChildFailedError" in report and "Root Cause" in report, report[-3000:]
@@ -239,7 +239,7 @@ def test_run_sh_leaves_out_the_launchers_failure_report_only_after_a_ranks_error
               "no rank said why": CHILD_FAILED}[case]
     proc = run_sh("ddp", 2, env=env_with(PYTHON=stand_in(tmp_path, stderr, stdout="epoch 1/2  step 1/3\n"),
                                         TMPDIR=str(tmp_path)), timeout=60)
-    logs = list(tmp_path.glob("run.sh-*.log"))
+    logs = list(tmp_path.glob("run.sh-*-log.*"))
     assert proc.returncode == 1 and proc.stdout == "epoch 1/2  step 1/3\n", proc.stderr
     if case == "explained":
         assert proc.stderr == f"{ERROR}run.sh: the launcher's full report: {logs[0]}\n", proc.stderr
@@ -252,7 +252,7 @@ def test_run_sh_says_in_one_line_why_the_nodes_could_not_meet(tmp_path):
     env = env_with(PYTHON=stand_in(tmp_path, RENDEZVOUS), TMPDIR=str(tmp_path), NNODES="2", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT="29561")
     proc = run_sh("ddp", 1, env=env, timeout=60)
-    logs = list(tmp_path.glob("run.sh-*.log"))
+    logs = list(tmp_path.glob("run.sh-*-log.*"))
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[1:] == [
         "run.sh: the nodes could not meet at 127.0.0.1:29561 (RendezvousConnectionError: The client socket has timed "
@@ -275,7 +275,7 @@ def gpus_answer(tmp_path, count):
 
 def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp_path):
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
-    env = env_with(PYTHON=gpus_answer(tmp_path, 1))
+    env = env_with(PYTHON=gpus_answer(tmp_path, 1), CUDA_VISIBLE_DEVICES="0")  # as on a machine with one GPU
     env.pop("OMP_NUM_THREADS")  # as a user runs it: run.sh shares the cores out as on a CPU-only machine
     job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run", env=env)
     pids = []
