@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -83,6 +82,11 @@ def run_nodes(commands, env, tmp_path, timeout):
             out.close(), err.close()
 
 
+# A collective that waits for the other host longer than this ends the job with a traceback naming it, well within
+# the test's own bound, instead of being killed without a word
+BOUNDED = ["--dist-timeout", "60"]
+
+
 def nodes_env(master_addr, **extra):
     """Two nodes; RDZV_TIMEOUT bounds every wait for the other node (they meet within seconds when they can)."""
     return {**job_env(), "NNODES": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
@@ -93,7 +97,7 @@ def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, d
     """The README's command on each host, MASTER_ADDR the first host's address. Without what run.sh derives, neither
     agent hosts the store (the hostname resolves to 127.0.0.1) and both fail after minutes."""
     (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
-    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, "--data-path", str(tiny_data), "--output-dir",
+    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
                str(tmp_path / "run")]
     results = run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)], nodes_env(address_a),
                         tmp_path, timeout=300)
@@ -113,10 +117,10 @@ def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(host
     """SLURM's way (MASTER_ADDR=$(scontrol show hostnames ... | head -n 1)): each host has its own hostname, which
     resolves to its cluster address, and MASTER_ADDR is the first one's name. torchrun's own guesses are right here,
     and run.sh leaves the choice of host to it."""
-    (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
+    (_, address_a, if_a), (_, address_b, _) = hosts["a"], hosts["b"]
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(f"127.0.0.1 localhost\n{address_a} rsnode-a\n{address_b} rsnode-b\n")
-    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, "--data-path", str(tiny_data), "--output-dir",
+    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
                str(tmp_path / "run")]
     results = run_nodes([in_host(hosts["a"], command, "rsnode-a", hosts_file),
                          in_host(hosts["b"], command, "rsnode-b", hosts_file)], nodes_env("rsnode-a"), tmp_path,
@@ -155,7 +159,7 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
 
 
 def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hostname_breaks(hosts, tmp_path):
-    (ns_a, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
+    (_, address_a, _), (_, address_b, if_b) = hosts["a"], hosts["b"]
     env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": address_a, "MASTER_PORT": "29500"}
     listener = subprocess.Popen(in_host(hosts["a"], [sys.executable, "-c", (
         "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "

@@ -5,10 +5,8 @@ reports fed through a stand-in launcher were captured from real runs of torch 2.
 """
 import os
 import pty
-import re
 import select
 import signal
-import subprocess
 import sys
 import time
 

@@ -10,8 +10,8 @@ that its routing table picks to reach it.
     python tools/hosts.py wait    wait (up to RDZV_TIMEOUT) until MASTER_ADDR:MASTER_PORT answers, or one line why not
 
 Both read MASTER_ADDR, MASTER_PORT, RDZV_TIMEOUT, TORCHRUN_ARGS and the *_SOCKET_IFNAME variables from the
-environment: what the user set there wins. Standard library only: run.sh calls it
-before each multi-node start, and torch would take seconds to import.
+environment: what the user set there wins. Standard library only: run.sh calls it before each multi-node start,
+and torch would take seconds to import.
 """
 import ctypes
 import ctypes.util
@@ -25,9 +25,8 @@ import time
 
 def resolve(name):
     """The addresses name resolves to here, IPv4 first (what torch's TCPStore tries first), without repeats."""
-    infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    addresses = list(dict.fromkeys(info[4][0] for info in sorted(infos, key=lambda info: info[0] != socket.AF_INET)))
-    return addresses
+    infos = sorted(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM), key=lambda info: info[0] != socket.AF_INET)
+    return list(dict.fromkeys(info[4][0] for info in infos))
 
 
 def holds(address):
@@ -49,17 +48,13 @@ def source_address(address):
         return sock.getsockname()[0]
 
 
-class _Sockaddr(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_ubyte * 26)]  # Linux: family, then the address
-
-
 class _Ifaddrs(ctypes.Structure):
     pass
 
 
 _Ifaddrs._fields_ = [("next", ctypes.POINTER(_Ifaddrs)), ("name", ctypes.c_char_p), ("flags", ctypes.c_uint),
-                     ("addr", ctypes.POINTER(_Sockaddr)), ("netmask", ctypes.POINTER(_Sockaddr)),
-                     ("broadaddr", ctypes.POINTER(_Sockaddr)), ("data", ctypes.c_void_p)]
+                     ("addr", ctypes.c_void_p), ("netmask", ctypes.c_void_p), ("broadaddr", ctypes.c_void_p),
+                     ("data", ctypes.c_void_p)]
 
 
 def interfaces():
@@ -79,12 +74,13 @@ def interfaces():
         entry = head
         while entry:
             item = entry.contents
-            if item.addr:
-                family, data = item.addr.contents.family, bytes(item.addr.contents.data)
-                if family == socket.AF_INET:  # sockaddr_in: port (2 bytes), then the address
-                    found.setdefault(socket.inet_ntop(socket.AF_INET, data[2:6]), item.name.decode())
-                elif family == socket.AF_INET6:  # sockaddr_in6: port, flow info (4), then the address
-                    found.setdefault(socket.inet_ntop(socket.AF_INET6, data[6:22]), item.name.decode())
+            family = ctypes.c_ushort.from_address(item.addr).value if item.addr else None  # Linux: family first
+            if family == socket.AF_INET:  # sockaddr_in: family, port, then the 4-byte address
+                address = socket.inet_ntop(socket.AF_INET, ctypes.string_at(item.addr + 4, 4))
+                found.setdefault(address, item.name.decode())
+            elif family == socket.AF_INET6:  # sockaddr_in6: family, port, flow info, then the 16-byte address
+                address = socket.inet_ntop(socket.AF_INET6, ctypes.string_at(item.addr + 8, 16))
+                found.setdefault(address, item.name.decode())
             entry = item.next
     finally:
         libc.freeifaddrs(head)
@@ -138,7 +134,7 @@ class Plan:
                 named = f" ({self.target})" if self.target != master_addr else ""
                 raise OSError(f"no route from this node to MASTER_ADDR {master_addr}{named}: "
                               f"{error.strerror or error}: check MASTER_ADDR, or this node's network") from None
-        self.interface = interfaces().get(self.local_addr)
+        self.interface = interfaces().get(self.local_addr.split("%")[0])  # (an IPv6 link-local scope)
         # A name that resolves to loopback here (a hosts file's "127.0.1.1 node1") names this node, but the others
         # cannot reach that address: give them the name, and leave the interface to the user.
         self.loopback_name = is_loopback(self.local_addr) and not (master_addr == "localhost"
