@@ -82,9 +82,10 @@ def run_nodes(commands, env, tmp_path, timeout):
             out.close(), err.close()
 
 
-# A collective that waits for the other host longer than this ends the job with a traceback naming it, well within
-# the test's own bound, instead of being killed without a word
-BOUNDED = ["--dist-timeout", "60"]
+# The network is under test here, not the loader: data loading in the main process (the sample stream is the same
+# with or without loader workers); a collective that waits for the other host longer than 60 s ends the job with a
+# traceback naming it, well within the test's own bound
+BOUNDED = ["--workers", "0", "--dist-timeout", "60"]
 
 
 def nodes_env(master_addr, **extra):
@@ -108,7 +109,8 @@ def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, d
     assert (f"run.sh: this node joins the rendezvous at {address_a}:29500 (MASTER_ADDR); it uses "
             f"--local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} NCCL_SOCKET_IFNAME={if_b}") in err_b.splitlines()
     assert (out_a + out_b).count("global batch 16 = 8 per process x 2 processes") == 1
-    # 2 hosts x 1 process equal 1 machine x 2 processes, one thread each: bitwise, BatchNorm training included
+    # 2 hosts x 1 process equal 1 machine x 2 processes (with loader workers), one thread each: bitwise, BatchNorm
+    # training included
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
 
