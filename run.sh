@@ -16,9 +16,11 @@ usage: bash run.sh MODE [N] [script arguments...]
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   gpucheck        on a GPU machine: doctor, tests/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
   test            the test suite (pytest)
-N defaults to the number of visible GPUs, or 2 on a CPU-only machine.
+N defaults to the number of visible GPUs, or 2 on a CPU-only machine; on one machine, N above the visible GPUs
+trains the N processes on the CPU.
 Environment: TORCHRUN_ARGS (extra launcher options); multi-node: NNODES, MASTER_ADDR, MASTER_PORT (29500),
-NODE_RANK (0 on the first node: checks the port), RDZV_TIMEOUT (300 s), RDZV_ID; PYTHON.
+NODE_RANK (0 on the first node: checks the port), RDZV_TIMEOUT (300 s), RDZV_ID, GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME (derived from MASTER_ADDR unless set); PYTHON.
 TXT
 }
 
@@ -59,8 +61,17 @@ gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; else nproc=$(( gpus > 0 ? gpus : 2 )); fi
 if [ "$nproc" -lt 1 ]; then echo "run.sh: N must be at least 1" >&2; exit 2; fi
 if [ "$gpus" -gt 0 ] && [ "$nproc" -gt "$gpus" ]; then
-  echo "run.sh: $nproc processes but only $gpus visible GPU(s): use N <= $gpus (one process per GPU)" >&2
-  exit 2
+  if [ "$mode" = bench ] || [ "${NNODES:-1}" -gt 1 ]; then  # a measurement, or a cluster misconfigured
+    echo "run.sh: $nproc processes but only $gpus visible GPU(s): use N <= $gpus (one process per GPU)" >&2
+    exit 2
+  fi
+  # One machine: N processes on the CPU give the global batch and the results of N GPUs, so the first command
+  # shows N processes cooperating wherever it runs.
+  if [ "$gpus" -gt 1 ]; then plural=s; else plural=; fi
+  echo "run.sh: $nproc processes but $gpus visible GPU$plural: training on the CPU (gloo); use N <= $gpus to train" \
+       "on the GPU$plural" >&2
+  export CUDA_VISIBLE_DEVICES=
+  gpus=0
 fi
 if [ "$gpus" -eq 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
   cores=$(nproc)
@@ -73,14 +84,29 @@ if [ "$mode" = bench ]; then exec "$PYTHON" tools/bench.py --nproc "$nproc" "$@"
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
 if [ "${NNODES:-1}" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}" "${MASTER_PORT:=29500}" "${RDZV_TIMEOUT:=300}"
+  export NNODES MASTER_ADDR MASTER_PORT RDZV_TIMEOUT
   if [ "${NODE_RANK:-}" = 0 ] && ! "$PYTHON" -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
        "$MASTER_PORT" 2>/dev/null; then
     echo "run.sh: MASTER_PORT $MASTER_PORT is already in use on this machine (the first node): choose another" \
          "port for every node, or stop what holds it (ss -ltnp 'sport = :$MASTER_PORT')" >&2
     exit 2
   fi
+  # torchrun guesses from this machine's hostname whether it hosts the rendezvous and which address the others
+  # reach it at, and gloo which interface to bind: wrong wherever the hostname names another interface. MASTER_ADDR
+  # says it better (tools/hosts.py prints one line); what the user set (TORCHRUN_ARGS, *_SOCKET_IFNAME) wins.
+  plan=$("$PYTHON" tools/hosts.py plan) || exit 2
+  read -r must_wait is_host local_addr ifname <<< "$plan"
+  conf=join_timeout=$RDZV_TIMEOUT
+  if [ "$is_host" != - ]; then conf+=,is_host=$is_host; fi
   where=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-train}}" --rdzv-conf=join_timeout="$RDZV_TIMEOUT")
+         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-train}}" --rdzv-conf="$conf")
+  if [ "$local_addr" != - ]; then where+=(--local-addr="$local_addr"); fi
+  if [ "$ifname" != - ]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
+  fi
+  # The other nodes wait here until the host's store answers, so that a wrong address or a closed port ends
+  # within RDZV_TIMEOUT with one line saying what this node could not reach (torchrun's client retries for minutes).
+  if [ "$must_wait" = 1 ]; then "$PYTHON" tools/hosts.py wait || exit $?; fi
 else
   where=(--standalone)
 fi
@@ -91,49 +117,33 @@ case "$mode" in
   fsdp) cmd=("$PYTHON" -m torch.distributed.run) script=train_fsdp.py ;;
 esac
 
-# Run the launcher as a child in a process group of its own, and pass SIGTERM and Ctrl-C on to it exactly once
-# (torchrun's agent cuts its own graceful shutdown short if a second signal arrives during it). A rendezvous that
-# times out ends with one line saying what is missing. A stopped job ends with the scripts' own line: the traceback
-# that the agent prints for the signal it received (SignalException) is left out, and the exit status is 128 + that
-# signal, as for the workers. Every other line, and every other traceback, is shown.
-tmp=$(mktemp -d) log=$tmp/log
+# Run the launcher as a child in a process group of its own, and pass SIGTERM, SIGHUP (a closed terminal or ssh
+# session) and Ctrl-C on to it exactly once (torchrun's agent cuts its graceful shutdown short if a second signal
+# arrives during it). If run.sh itself dies (kill -9, a job manager, a CI timeout), the launcher gets SIGTERM
+# (tools/launcher.py tie), so that it never trains on alone. Its output goes through tools/launcher.py filter,
+# which leaves out the launcher's own report where the ranks already said what happened (their `stopped by` or
+# `error:` line; the report stays in a log file that one line names), shows any other traceback whole, keeps
+# reading when the terminal is gone (so the ranks can still save), and exits with the number of the signal that
+# stopped the launcher (the exit status is then 128 + that signal, as for the ranks).
+tmp=$(mktemp -d) log=$(mktemp "${TMPDIR:-/tmp}/run.sh-$mode-log.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-mkfifo "$tmp/stderr"
+mkfifo "$tmp/out" "$tmp/err"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
-(trap '' INT TERM; exec "$PYTHON" -u -c '
-import re, sys
-held, dropped, log = [], False, open(sys.argv[1], "w")
-for line in iter(sys.stdin.readline, ""):
-    log.write(line)
-    log.flush()
-    if held and (line[:1] in " \t" or line == "\n"):  # inside a traceback: hold it until its last line says what
-        held.append(line)  # it is (a blank line: a second signal interrupted the agent inside its handler)
-        continue
-    if held and re.match(r"torch\S*SignalException: Process \d+ got signal: \d+$", line):
-        held, dropped = [], True  # the agent reporting the signal that stopped it: the scripts said so already
-        continue
-    if dropped and (not line.strip() or line.startswith("During handling of the above exception")):
-        continue  # a second signal during the shutdown of the agent chains a second such traceback
-    sys.stderr.writelines(held)
-    held, dropped = ([line] if line.startswith("Traceback (most recent call last):") else []), False
-    if not held:
-        sys.stderr.write(line)
-sys.stderr.writelines(held)' "$log" <"$tmp/stderr") &
+export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}  # the ranks' lines reach the screen through the filter's pipe
+set -m  # each in a process group of its own: a signal to run.sh's group reaches neither
+(trap '' INT TERM HUP; exec "$PYTHON" tools/launcher.py filter "$tmp/out" "$tmp/err" "$log" </dev/null) &
 filter=$!
-set -m
-"${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@" 2>"$tmp/stderr" &
+"$PYTHON" tools/launcher.py tie $$ "${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@" \
+  >"$tmp/out" 2>"$tmp/err" &
 pid=$!
 set +m
 trap 'kill -TERM "$pid" 2>/dev/null' TERM
 trap 'kill -INT "$pid" 2>/dev/null' INT
+trap 'kill -HUP "$pid" 2>/dev/null' HUP
 status=0
 wait "$pid" || status=$?
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || status=$?; done  # a trapped signal interrupts wait
-wait "$filter"
-if grep -q RendezvousTimeoutError "$log"; then
-  echo "run.sh: not all $NNODES nodes joined $MASTER_ADDR:$MASTER_PORT within ${RDZV_TIMEOUT}s (RDZV_TIMEOUT):" \
-       "start the same command on every node, and check that they reach that address" >&2
-fi
-signum=$(sed -n 's/^torch.*SignalException: Process [0-9]* got signal: \([0-9]*\)$/\1/p' "$log" | tail -n 1)
-if [ "$status" -ne 0 ] && [ -n "$signum" ]; then status=$(( 128 + signum )); fi
+signum=0
+wait "$filter" || signum=$?
+if [ "$status" -ne 0 ] && [ "$signum" -gt 0 ] && [ "$signum" -lt 64 ]; then status=$(( 128 + signum )); fi
 exit "$status"

@@ -456,3 +456,32 @@ def assert_resumed_after(output, step=None):
 def checkpoint_step(checkpoint, steps_per_epoch):
     """The global step after which a checkpoint was saved, in the global batch that saved it."""
     return checkpoint["epoch"] * steps_per_epoch + checkpoint["samples"] // checkpoint["global_batch"]
+
+
+# ------------------------------------------------------------------------- bounding what run.sh starts
+def kill_all(pids):
+    """SIGKILL each of pids that is still there (processes this test started, recorded while they ran)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def read_lines_until(job, text, timeout):
+    """The lines of job.stdout up to the first one that contains text. A watchdog kills the job and every process
+    under it if that takes longer than timeout seconds (run.sh's launcher and output filter run in process groups
+    of their own, so killing run.sh's group would not end the read)."""
+    import threading
+    watchdog = threading.Timer(timeout, lambda: kill_all([job.pid, *descendants(job.pid)]))
+    watchdog.start()
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if text in line:
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"{text!r} did not come (the output ended, or {timeout} s passed):\n"
+                         + "".join(lines)[-3000:])

@@ -333,6 +333,67 @@ def bind_error(host, port):
     return None
 
 
+def check_network(report):
+    """With MASTER_ADDR set (several machines): the address and interface this node uses to meet the others (what
+    run.sh derives from MASTER_ADDR), and whether the hostname resolves to an address the others can reach, which
+    torchrun and gloo rely on wherever they are not told otherwise."""
+    master_addr = os.environ.get("MASTER_ADDR")
+    if not master_addr:
+        return
+    try:
+        import hosts  # tools/hosts.py, beside this file: what run.sh uses
+    except Exception as error:
+        report.add("network", "skip", f"network: tools/hosts.py does not import ({type(error).__name__}) (skipped)")
+        return
+    try:
+        plan = hosts.Plan(master_addr)
+    except OSError as error:
+        report.add("network", "fail", str(error), "without it the nodes cannot meet")
+        return
+    uses = f"--local-addr={plan.local_addr}" + "".join(f" {name}={plan.interface}" for name in (
+        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if plan.interface)
+    named = f" ({plan.target})" if plan.target != master_addr else ""
+    if plan.is_host:
+        message = f"MASTER_ADDR {master_addr}{named} is this machine: it hosts the rendezvous (run.sh: {uses})"
+    else:
+        message = (f"MASTER_ADDR {master_addr}{named} is another machine; this node reaches it from {plan.where()} "
+                   f"(run.sh: {uses})")
+    fix = None
+    if plan.loopback_name:
+        fix = (f"{master_addr} resolves to {plan.target}, a loopback address, here: give MASTER_ADDR as the address "
+               f"the other nodes reach this one at, or set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
+    report.add("network", "warn" if fix else "ok", message, fix, master_addr=master_addr, is_host=plan.is_host,
+               local_addr=plan.local_addr, interface=plan.interface)
+
+    name = socket.gethostname()
+    breaks = ("torchrun alone then neither sees whether this node hosts the rendezvous nor gives the others an "
+              "address they reach, and gloo and NCCL listen there: run.sh sets is_host, --local-addr, "
+              "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME from MASTER_ADDR; by hand, set them too, or map "
+              f"{name} to {plan.local_addr} in /etc/hosts")
+    try:
+        addresses = hosts.resolve(name)
+    except OSError as error:
+        report.add("hostname", "warn", f"hostname {name} does not resolve ({error.strerror or error})", breaks,
+                   hostname=name, addresses=[])
+        return
+    shown = ", ".join(addresses)
+    held = [address for address in addresses if hosts.holds(address)]
+    if hosts.is_loopback(plan.local_addr) and not plan.loopback_name:
+        status, message, fix = "ok", f"hostname {name} resolves to {shown} (MASTER_ADDR is loopback: one machine)", None
+    elif plan.local_addr in held:
+        status, message, fix = "ok", f"hostname {name} resolves to {shown}, the address this node uses", None
+    elif held and all(hosts.is_loopback(address) for address in held):
+        status, message, fix = "warn", f"hostname {name} resolves to {shown}, a loopback address: other machines " \
+                                       f"cannot connect there", breaks
+    elif held:
+        status, message, fix = "warn", f"hostname {name} resolves to {shown}, not to the address that reaches " \
+                                       f"MASTER_ADDR ({plan.where()}): other machines cannot connect there", breaks
+    else:
+        status, message, fix = "warn", f"hostname {name} resolves to {shown}, which this machine does not hold: " \
+                                       f"other machines cannot connect there", breaks
+    report.add("hostname", status, message, fix, hostname=name, addresses=addresses)
+
+
 def check_port(report):
     addr, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if port_text is None:
@@ -367,9 +428,11 @@ def check_port(report):
             note, status, fix = "something is listening there already (node 0's rendezvous?)", "ok", None
         except ConnectionRefusedError:
             note, status, fix = "nothing listens there yet (normal before node 0 starts)", "ok", None
-        except OSError:
+        except (socket.timeout, TimeoutError):
             note, status, fix = "no answer within 2 s", "warn", ("a firewall may block it: open the port on node 0, "
                                                                  "or check MASTER_ADDR")
+        except OSError as error:
+            note, status, fix = f"{error.strerror or error}", "warn", "check MASTER_ADDR: no machine answers for it"
         report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: {note}", fix,
                    port=port, local=False)
         return
@@ -549,7 +612,8 @@ def main(argv=None):
                                              ("gpus", check_gpus, torch, available, count, why),
                                              ("backends", check_backends),
                                              ("environment", check_environment, torch, available, count),
-                                             ("shm", check_shm), ("port", check_port)):
+                                             ("shm", check_shm), ("network", check_network),
+                                             ("port", check_port)):
                 try:
                     check(report, *check_args)
                 except Exception as error:  # a doctor that crashes tells nobody anything: report it and go on

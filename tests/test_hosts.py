@@ -1,0 +1,192 @@
+"""Several machines, made real: two network namespaces joined by a veth pair are two hosts with network stacks of
+their own (10.77.N.1 and 10.77.N.2, nothing else reachable), sharing the data and output folders as NFS would. In
+both, the hostname (`vm` here, from the shared /etc/hosts) resolves to 127.0.0.1: the multi-homed case in which
+torchrun, left to the hostname, never forms the job. One `bash run.sh ddp 1` agent runs in each.
+
+Needs root and `ip netns` (skipped otherwise). The namespaces have names of their own and are removed whatever
+happens; every process is bounded in time.
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import DEFAULTS, REPO, assert_same_weights, descendants, job_env, kill_all, load_model_state
+
+
+def ip(*args):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """{"a": (namespace, address, interface), "b": ...}: two hosts joined by a veth pair."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs root, ip (iproute2) and unshare to make network namespaces")
+    tag = f"{os.getpid() % 100000:05d}"
+    subnet = f"10.77.{os.getpid() % 250}"
+    made = {"a": (f"rsh{tag}a", f"{subnet}.1", f"rsv{tag}a"), "b": (f"rsh{tag}b", f"{subnet}.2", f"rsv{tag}b")}
+    (ns_a, _, if_a), (ns_b, _, if_b) = made["a"], made["b"]
+    steps = [["netns", "add", ns_a], ["netns", "add", ns_b],
+             ["link", "add", if_a, "type", "veth", "peer", "name", if_b]]
+    for ns, address, interface in made.values():
+        steps += [["link", "set", interface, "netns", ns], ["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
+                  ["-n", ns, "link", "set", interface, "up"], ["-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            result = ip(*step)
+            if result.returncode:
+                pytest.skip(f"cannot make network namespaces here: ip {' '.join(step)}: {result.stderr.strip()}")
+        yield made
+    finally:
+        for ns, _, interface in made.values():
+            ip("netns", "del", ns)  # removes its end of the veth pair, and with it the pair
+            ip("link", "del", interface)  # in case it never left this namespace
+
+
+def in_host(host, command, hostname=None, hosts_file=None):
+    """command run inside the host's namespace; with a hostname and a hosts file of its own if given (as on a
+    cluster whose hostnames resolve to their cluster addresses)."""
+    prefix = ["ip", "netns", "exec", host[0]]
+    if hostname is None:
+        return prefix + command
+    return prefix + ["unshare", "--uts", "--mount", "sh", "-c",
+                     'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"', "sh",
+                     str(hosts_file), hostname, *command]
+
+
+def run_nodes(commands, env, tmp_path, timeout):
+    """Start every command at once; [(exit status, stdout, stderr, seconds)], each bounded by timeout seconds."""
+    started, procs = time.time(), []
+    try:
+        for i, command in enumerate(commands):
+            out, err = open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")
+            procs.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err,
+                                           stdin=subprocess.DEVNULL, start_new_session=True), out, err))
+        results = []
+        for proc, out, err in procs:
+            code = proc.wait(timeout=max(1, timeout - (time.time() - started)))
+            out.seek(0), err.seek(0)
+            results.append((code, out.read(), err.read(), time.time() - started))
+        return results
+    finally:
+        for proc, out, err in procs:
+            if proc.poll() is None:
+                kill_all([proc.pid, *descendants(proc.pid)])
+                proc.wait()
+            out.close(), err.close()
+
+
+# The network is under test here, not the loader: data loading in the main process (the sample stream is the same
+# with or without loader workers); a collective that waits for the other host longer than 60 s ends the job with a
+# traceback naming it, well within the test's own bound
+BOUNDED = ["--workers", "0", "--dist-timeout", "60"]
+
+
+def nodes_env(master_addr, **extra):
+    """Two nodes; RDZV_TIMEOUT bounds every wait for the other node (they meet within seconds when they can)."""
+    return {**job_env(), "NNODES": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
+            "RDZV_ID": f"hosts-{os.getpid()}-{time.time_ns()}", **extra}
+
+
+def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, default_runs, tiny_data, tmp_path):
+    """The README's command on each host, MASTER_ADDR the first host's address. Without what run.sh derives, neither
+    agent hosts the store (the hostname resolves to 127.0.0.1) and both fail after minutes."""
+    (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
+    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
+               str(tmp_path / "run")]
+    results = run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)], nodes_env(address_a),
+                        tmp_path, timeout=300)
+    assert [code for code, *_ in results] == [0, 0], results
+    (_, out_a, err_a, _), (_, out_b, err_b, _) = results
+    assert (f"run.sh: this node holds MASTER_ADDR {address_a} and hosts the rendezvous; it uses "
+            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in err_a.splitlines()
+    assert (f"run.sh: this node joins the rendezvous at {address_a}:29500 (MASTER_ADDR); it uses "
+            f"--local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} NCCL_SOCKET_IFNAME={if_b}") in err_b.splitlines()
+    assert (out_a + out_b).count("global batch 16 = 8 per process x 2 processes") == 1
+    # 2 hosts x 1 process equal 1 machine x 2 processes (with loader workers), one thread each: bitwise, BatchNorm
+    # training included
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
+                        load_model_state(default_runs / "ddp" / "last.pt"))
+
+
+def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(hosts, default_runs, tiny_data, tmp_path):
+    """SLURM's way (MASTER_ADDR=$(scontrol show hostnames ... | head -n 1)): each host has its own hostname, which
+    resolves to its cluster address, and MASTER_ADDR is the first one's name. torchrun's own guesses are right here,
+    and run.sh leaves the choice of host to it."""
+    (_, address_a, if_a), (_, address_b, _) = hosts["a"], hosts["b"]
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(f"127.0.0.1 localhost\n{address_a} rsnode-a\n{address_b} rsnode-b\n")
+    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
+               str(tmp_path / "run")]
+    results = run_nodes([in_host(hosts["a"], command, "rsnode-a", hosts_file),
+                         in_host(hosts["b"], command, "rsnode-b", hosts_file)], nodes_env("rsnode-a"), tmp_path,
+                        timeout=300)
+    assert [code for code, *_ in results] == [0, 0], results
+    assert (f"run.sh: this node holds MASTER_ADDR rsnode-a ({address_a}) and hosts the rendezvous; it uses "
+            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in results[0][2]
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
+                        load_model_state(default_runs / "ddp" / "last.pt"))
+
+
+def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp_path):
+    """A wrong MASTER_ADDR (an address nobody holds, on both hosts), and a right one whose host never started (a
+    closed port): each ends within RDZV_TIMEOUT with one line naming what it could not reach from where."""
+    (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
+    wrong = address_a.rsplit(".", 1)[0] + ".99"
+    command = ["bash", "run.sh", "ddp", "1", "--epochs", "1", "--output-dir", str(tmp_path / "run")]
+    timeout = 10
+    wrong_results = run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)],
+                              nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), tmp_path, timeout=120)
+    closed = run_nodes([in_host(hosts["b"], command)], nodes_env(address_a, RDZV_TIMEOUT=str(timeout)), tmp_path,
+                       timeout=120)
+    for (code, out, err, seconds), (address, interface), target, why in [
+            (wrong_results[0], (address_a, if_a), wrong, r"(no route to host|no answer)"),
+            (wrong_results[1], (address_b, if_b), wrong, r"(no route to host|no answer)"),
+            (closed[0], (address_b, if_b), address_a, r"connection refused: nothing listens on that port")]:
+        lines = err.splitlines()
+        assert code == 1 and len(lines) == 2, (code, err)
+        assert lines[0].startswith(f"run.sh: this node joins the rendezvous at {target}:29500"), lines
+        assert re.fullmatch(rf"run\.sh: cannot reach MASTER_ADDR:MASTER_PORT {re.escape(target)}:29500 from this node "
+                            rf"\({re.escape(address)} on {interface}\) within {timeout} s \(RDZV_TIMEOUT\): {why}.*",
+                            lines[1]), lines[1]
+        assert seconds < timeout + 40, seconds  # torch's import and the GPU query come first; no minutes of retries
+        assert out == ""
+        print(f"{target} from {address}: ended after {seconds:.1f} s (RDZV_TIMEOUT {timeout})")
+
+
+def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hostname_breaks(hosts, tmp_path):
+    (_, address_a, _), (_, address_b, if_b) = hosts["a"], hosts["b"]
+    env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": address_a, "MASTER_PORT": "29500"}
+    listener = subprocess.Popen(in_host(hosts["a"], [sys.executable, "-c", (
+        "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)")]),  # (after the jobs' stores)
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert listener.stdout.readline() == "up\n"  # bounded: the listener ends within 60 s
+        answered = subprocess.run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), cwd=REPO,
+                                  env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        kill_all([listener.pid])
+        listener.wait()
+    closed = subprocess.run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    for result, port in ((answered, "something is listening there"), (closed, "nothing listens there yet")):
+        lines = result.stdout.splitlines()
+        assert result.returncode == 0, result.stdout + result.stderr
+        network = [line for line in lines if " MASTER_ADDR " in line and "another machine" in line]
+        assert network == [f"ok    MASTER_ADDR {address_a} is another machine; this node reaches it from {address_b} "
+                           f"on {if_b} (run.sh: --local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} "
+                           f"NCCL_SOCKET_IFNAME={if_b})"], lines
+        # the namespaces share this machine's hostname and /etc/hosts: it resolves to loopback (as `vm` does here) or
+        # to an address of the machine outside the namespaces, never to the address the other host can reach
+        hostname = [line for line in lines if "hostname" in line]
+        assert len(hostname) == 1, lines
+        assert hostname[0].startswith(f"warn  hostname {socket.gethostname()} resolves to "), hostname
+        assert "other machines cannot connect" in hostname[0] and "GLOO_SOCKET_IFNAME" in hostname[0], hostname
+        assert any(line.startswith("ok    MASTER_ADDR=") and port in line for line in lines), lines
