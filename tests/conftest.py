@@ -48,6 +48,15 @@ def gpu_env(**extra):
     return env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """What the started processes leave in $TMPDIR (run.sh keeps the launcher's report there) goes to the session's
+    own temporary folder, not /tmp."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def hide_gpus(request):
     """Also hide them in this process's environment, for what a CPU test starts without a helper (anything that
