@@ -28,7 +28,9 @@ def main(args):
     train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
                               num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
                               persistent_workers=args.workers > 0)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+    # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+                            persistent_workers=args.workers > 0)
     steps_per_epoch = len(train_loader)
     epoch_samples = len(train_sampler)  # one epoch's samples
     if steps_per_epoch == 0 and not args.test_only:

@@ -53,8 +53,9 @@ def main(args):
                               persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_set = Subset(val_set, range(rank, len(val_set), world_size))
+    # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
-                            worker_init_fn=utils.ignore_stop_signals)
+                            persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:
