@@ -106,24 +106,22 @@ def check_args(args):
 
 def get_device(requested):
     """The training device. Under a launcher (LOCAL_RANK set) the rung then takes the GPU of its local rank."""
-    launched = "LOCAL_RANK" in os.environ
+    launched, gpus = "LOCAL_RANK" in os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(requested or ("cuda" if gpus else "cpu"))
     except RuntimeError:
         raise UsageError(f"--device {requested} is not a device name; use cpu, cuda or cuda:N") from None
     if launched and device.type == "cuda" and device.index is not None:  # before any rank opens a context on GPU N
         raise UsageError(f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
                          f"--device cuda, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
+    if device.type == "cuda" and not gpus:
         raise UsageError(f"--device {requested}: this machine has no usable CUDA GPU; use --device cpu")
-    if launched and int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():
-        raise UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only "
-                         f"{torch.cuda.device_count()} GPU(s): start at most one process per GPU")
-    if (device.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
-    if device.index is not None:
+    if device.type == "cuda" and launched and int(os.environ["LOCAL_WORLD_SIZE"]) > gpus:
+        raise UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only {gpus} GPU(s): start at "
+                         f"most one process per GPU")
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise UsageError(f"--device {requested}: only {gpus} GPU(s) visible")
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # else pinned-memory threads and the profiler work on GPU 0
     return device
 

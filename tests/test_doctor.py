@@ -117,7 +117,7 @@ def test_a_port_in_use_fails_the_run(tmp_path):
     assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
 
 
-def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
+def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path, monkeypatch):
     report = tmp_path / "report.txt"
     result = run_job(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
                      env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")})
@@ -127,6 +127,11 @@ def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(
     text = report.read_text()
     assert skipped in text and "## bash run.sh doctor: ok" in text and "all-reduce gloo, 2 processes" in text
     assert "plan on one GPU: doctor " in result.stdout and "(budget 420 s)" in result.stdout
+    assert "what this proves: nothing about GPUs (no CUDA GPU here" in result.stdout  # said plainly
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpucheck  # on a GPU, what one GPU cannot prove is said too
+    assert any("what one GPU cannot prove: NCCL between ranks" in line for line in
+               gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)]))
 
 
 def test_gpucheck_counts_what_every_gpu_test_starts(monkeypatch):

@@ -86,6 +86,20 @@ def run_part(title, cmd, limit, report):
     return f"{title}: {verdict}, {seconds:.0f} s", status == 0
 
 
+def what_it_proves(cuda, gpus, summary):
+    """The plain words: what this run showed about the GPU path, and what it could not show."""
+    if not cuda:
+        return ["what this proves: nothing about GPUs (no CUDA GPU here; everything GPU-side in this project is by "
+                "reading until this check runs on one)"]
+    passed = [line.split(":")[0] for line, ok in summary if ok and not line.startswith("NCCL")]
+    lines = [f"what this proves on {gpus} GPU(s): {'; '.join(passed) or 'nothing (every part failed)'}"]
+    if gpus < 2:
+        lines.append("what one GPU cannot prove: NCCL between ranks (one rank per GPU, and NCCL refuses two ranks on "
+                     "one GPU), SyncBatchNorm across ranks (at world size 1 it is plain BatchNorm), nn.DataParallel's "
+                     "split (with one GPU the module runs unwrapped), restarts and stops across ranks on NCCL")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", default=str(REPO / "gpucheck-report.txt"), help="where the report goes")
@@ -129,7 +143,8 @@ def main():
             nccl = next((c.get("version") for c in data["checks"] if c["name"] == "nccl"), None)
             summary.append((f"NCCL version: {nccl or 'none'}", True))
             report.append("## doctor.json\n\n" + json.dumps(data, indent=2) + "\n")
-    lines = [line for line, _ in summary] + [planned, f"in all: {time.perf_counter() - started:.0f} s"]
+    lines = [line for line, _ in summary] + [planned, f"in all: {time.perf_counter() - started:.0f} s"] + \
+        what_it_proves(cuda, gpus, summary)
     report.insert(1, "## summary\n\n" + "\n".join(lines) + "\n")
     Path(opts.report).write_text("\n".join(report))
     print("\n".join(lines) + f"\nreport: {opts.report}")
