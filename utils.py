@@ -301,7 +301,7 @@ def decode_image(path, scale=None):
         with Image.open(path) as image:
             if factor > 1:  # in the DCT domain, skipping most of the work: PIL's draft
                 image.draft("RGB", (image.width // factor, image.height // factor))
-            return TF.pil_to_tensor(image.convert("RGB"))
+            return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
     except Exception as error:
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
 
