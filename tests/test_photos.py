@@ -309,4 +309,6 @@ def test_photo_bench_rows_quick(tmp_path):
                     "shrunk_vs_before", "mean_kib"):
             assert isinstance(row[key], float) and row[key] > 0, (row["source"], key, row[key])
     assert set(photos["targets"]) == {"after_vs_textbook", "shrunk_vs_before"}
+    # the one figure with a margin wide enough for a loaded machine: 512-pixel copies decode ~70x faster than 12 MP
+    assert photos["rows"][-1]["shrunk_vs_before"] > 5, photos["rows"][-1]
     assert "| 4032 x 3024" in proc.stdout and "shrunk / before" in proc.stdout
