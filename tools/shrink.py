@@ -42,11 +42,11 @@ def main(argv=None):
     parser.add_argument("src", metavar="SRC", help="the dataset: class folders, or train/ and val/ of class folders")
     parser.add_argument("dst", metavar="DST", help="where the copy goes (created; may hold an earlier, partial copy)")
     parser.add_argument("--max-side", type=int, default=MAX_SIDE,
-                        help="longest side in pixels. The default keeps, for the default --img-size 224, the "
-                        "shorter side of a 4:3 photo at 384, above the 256 the evaluation view resizes to, and about "
-                        "ImageNet's size, on which the 224-pixel recipe and the pretrained weights were made; for "
-                        "--img-size S use about 2.3 x S")
-    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: cores)")
+                        help="the longer side in pixels. For the default --img-size 224, 512 keeps a 4:3 photo's "
+                        "shorter side at 384, above the 256 that evaluation resizes to, and about ImageNet's size "
+                        "(500 x 375), where the 224-pixel recipe and the pretrained weights come from; for "
+                        "--img-size S, about 2.3 x S")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="processes")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality of the shrunk images")
     try:
         return shrink(parser.parse_args(argv))
