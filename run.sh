@@ -13,6 +13,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   amp [N]         train_ddp_amp.py (mixed precision) under torchrun, N processes per node
   fsdp [N]        train_fsdp.py (sharded model, FSDP2) under torchrun, N processes per node
   bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
+  shrink SRC DST  a copy of a dataset with each image's longer side at most 512 px (--max-side N; tools/shrink.py)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   gpucheck        on a GPU machine: doctor, tests/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
   test            the test suite (pytest)
@@ -26,7 +27,7 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|fsdp|bench|doctor|gpucheck|test) shift ;;
+  single|dp|launch|ddp|amp|fsdp|bench|shrink|doctor|gpucheck|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -51,6 +52,7 @@ fi
 case "$mode" in
   single) exec "$PYTHON" train_single.py "$@" ;;
   dp) exec "$PYTHON" train_dp.py "$@" ;;
+  shrink) exec "$PYTHON" tools/shrink.py "$@" ;;
   doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) exec "$PYTHON" tools/gpucheck.py "$@" ;;
   test) exec "$PYTHON" -m pytest -q tests "$@" ;;

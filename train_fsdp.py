@@ -149,7 +149,7 @@ def main(args):
         save(epoch, samples)  # every rank: each writes its shards
         stop.exit(global_step, output_dir)  # one line; exit status 128 + the signal
 
-    log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
+    log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
     log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)

@@ -79,7 +79,7 @@ def main(args):
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
-    log = utils.Logger(output_dir, args.epochs, steps_per_epoch, global_batch, args.print_freq,
+    log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1)
     log.add_training_images(train_set, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile)

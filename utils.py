@@ -249,13 +249,20 @@ class ImageFiles(Dataset):
     def __getitem__(self, key):
         epoch, index = key if self.train else (0, key)
         path, label = self.samples[index]
-        image = decode_image(path)
-        if self.train:
-            generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
-            top, left, height, width, flip = random_crop_box(image.shape[-2], image.shape[-1], generator)
-            # TF.resized_crop(..., antialias=True) and TF.horizontal_flip, called directly: the same pixels (uint8
-            # bilinear with antialiasing), without the dispatch cost of transforms.v2 (~60 of ~230 us per image)
-            image = torch.nn.functional.interpolate(image[None, :, top:top + height, left:left + width],
+        generator, plan = torch.Generator().manual_seed(hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF), []
+
+        def scale(height, width):  # the full size: the crop box, then 1/8, 1/4 or 1/2 if the box stays >= the target
+            plan[:] = [width, *(random_crop_box(height, width, generator) if self.train else (0, 0, height, width))]
+            target = self.img_size if self.train else round(self.img_size * 8 / 7)
+            return next((s for s in (8, 4, 2) if min(plan[3:5]) >= s * target), 1)
+        image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
+        if not plan:  # other images: once decoded
+            scale(*image.shape[-2:])
+        if self.train:  # the box, mapped onto an image decoded smaller by the ratio of the widths (else 1)
+            top, left, height, width, flip, ratio = *plan[1:], image.shape[-1] / plan[0]
+            top, left, bottom, right = (round(v * ratio) for v in (top, left, top + height, left + width))
+            # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
+            image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right],
                                                     size=[self.img_size] * 2, mode="bilinear", antialias=True)[0]
             if flip:
                 image = image.flip(-1)
@@ -276,19 +283,32 @@ def random_crop_box(height, width, generator, scale=(0.25, 1.0), ratio=(3 / 4, 4
     return 0, 0, height, width, flip_u < 0.5
 
 
-def decode_image(path):
-    """Any image file as a 3-channel uint8 tensor: grey, palette, RGBA and CMYK images are converted to RGB."""
+def decode_image(path, scale=None):
+    """Any image file as a 3-channel uint8 tensor: grey, palette, RGBA and CMYK images are converted to RGB.
+    scale(height, width) -> 2, 4 or 8: decode a JPEG of that size (its header's) at 1/scale, the sides rounded up."""
+    from PIL import Image
     try:
-        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
-        return torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB)
+        data = Path(path).read_bytes()
+        if not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
+            return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                               mode=torchvision.io.ImageReadMode.RGB)
     except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
-        pass
+        factor = 1
     try:
-        from PIL import Image
         with Image.open(path) as image:
-            return TF.pil_to_tensor(image.convert("RGB"))
+            if factor > 1:  # in the DCT domain, skipping most of the work: PIL's draft
+                image.draft("RGB", (image.width // factor, image.height // factor))
+            return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
     except Exception as error:
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
+
+
+def jpeg_size(data):  # (height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None
+    i = 2 if data[:2] == b"\xff\xd8" else len(data)
+    while i + 9 < len(data) and data[i] == 0xFF:
+        if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+        i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
 
 
 _STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from a list on a GPU waits for the copy
@@ -724,11 +744,11 @@ def weakest_classes(per_class_acc, count=3):
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
-    def __init__(self, output_dir, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0, enabled=True):
-        self.enabled, self.epochs, self.steps_per_epoch = enabled, epochs, steps_per_epoch
-        self.global_batch, self.print_freq = global_batch, print_freq
-        self.train_images, self.train_seconds = 0, 0.0
-        self.writer = None
+    def __init__(self, output_dir, classes, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0,
+                 enabled=True):  # classes: the names drawn on the confusion picture
+        self.enabled, self.epochs, self.steps_per_epoch, self.classes = enabled, epochs, steps_per_epoch, classes
+        self.global_batch, self.print_freq, self.fix = global_batch, print_freq, "raise --workers or use faster storage"
+        self.train_images, self.train_seconds, self.writer = 0, 0.0, None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
@@ -740,11 +760,13 @@ class Logger:
             picks = torch.linspace(0, len(dataset) - 1, min(count, len(dataset))).long().tolist()  # of every class
             grid = torchvision.utils.make_grid(torch.stack([dataset[(epoch, i)][0] for i in picks]), nrow=8)
             self.writer.add_image("train/augmented_images", grid, epoch)
+            sides = sorted(min(jpeg_size(Path(dataset.samples[i][0]).read_bytes()) or (0, 0)) for i in picks[::4])
+            if (side := sides[len(sides) // 2]) >= 4 * dataset.img_size:  # the median of up to 8 JPEGs' headers
+                self.fix = f"{side} px images for a {dataset.img_size} px crop: train on a copy from bash run.sh shrink"
 
     def start_epoch(self, epoch, start_step=0):
-        self.epoch, self.epoch_steps, self.data_wait = epoch, 0, 0.0
+        self.epoch, self.epoch_steps, self.data_wait, self.last_step = epoch, 0, 0.0, start_step
         self.epoch_start = self.last_time = self.step_end = time.perf_counter()
-        self.last_step = start_step
 
     def timed(self, batches):
         """Yields the loader's batches, adding up the time the training loop waits for them."""
@@ -785,17 +807,14 @@ class Logger:
         if self.enabled:
             # Time the loop waited for a batch: the GPU (or CPU) idled then, unless it still had queued work
             waiting = min(1.0, self.data_wait / max(seconds, 1e-9))
-            hint = ": data loading is the bottleneck; raise --workers, or use faster storage" if waiting > 0.1 else ""
+            hint = f": data loading is the bottleneck; {self.fix}" if waiting > 0.1 else ""
             print(f"epoch {self.epoch + 1}/{self.epochs}  val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% "
                   f"({val_count} images)  train time {seconds:.1f}s, {100 * waiting:.0f}% waiting for data{hint}",
                   flush=True)
             self.writer.add_scalar("train/data_wait", waiting, global_step)
             self.writer.add_scalar("val/loss", val_loss, global_step)
             self.writer.add_scalar("val/acc", val_acc, global_step)
-            # Rows: true classes, columns: predicted, in class_indices.json's order; each row as fractions
-            rows = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1)
-            scale = max(1, 256 // len(rows))  # a few classes: one block of pixels per cell
-            self.writer.add_image("val/confusion", rows.repeat_interleave(scale, 0).repeat_interleave(scale, 1)[None],
+            self.writer.add_image("val/confusion", confusion_image(confusion, self.classes),
                                   global_step)
             self.writer.flush()
 
@@ -805,6 +824,40 @@ class Logger:
     def close(self):
         if self.writer:
             self.writer.close()
+
+
+def confusion_image(confusion, classes):
+    """val/confusion as a (3, H, W) uint8 picture: rows true classes, columns predicted, each row's shares from white
+    to blue (square root: small ones show); up to 30 classes named, with each cell's %; the weakest listed beside."""
+    from PIL import Image, ImageDraw, ImageFont
+    n, counts, font = len(confusion), confusion.sum(dim=1).tolist(), ImageFont.load_default(size=12)
+    rows, labels = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1), [
+        f"{str(name)[:24]}{'…' * (len(str(name)) > 24)} ({count})" for name, count in zip(classes, counts)]  # images
+    blue = torch.tensor([247, 207, 148])  # 255 - (8, 48, 107): white to dark blue
+    paint = lambda share: Image.fromarray((255 - share.sqrt()[..., None] * blue).byte().numpy())  # noqa: E731
+    cell, side = (34, 12 + int(max(map(font.getlength, labels)))) if n <= 30 else (600 // n or 1, 10)
+    weak = [i for i in rows.diagonal().argsort().tolist() if counts[i] and rows[i, i] < 1][:20]  # with mistakes
+    other = (rows[weak] - 2 * torch.eye(n)[weak]).argmax(1).tolist()  # each one's most frequent wrong prediction
+    notes = ["weakest classes: accuracy; most often taken for" if weak else "no validation image mistaken"] + [
+        f"{rows[i, i]:.0%}  {labels[i]}: {labels[j]} {rows[i, j]:.0%}" for i, j in zip(weak, other)] + [
+        "", "rows: true class (validation images), columns: predicted; % of each row"]
+    grid = n * cell
+    canvas = Image.new("RGB", (side + grid + 80 + int(max(map(font.getlength, notes))),
+                               side + max(grid, 22 * len(notes) + 20) + 10), "white")
+    canvas.paste(paint(rows).resize((grid, grid), Image.NEAREST), (side, side))
+    canvas.paste(paint(torch.linspace(1, 0, grid)[:, None].expand(grid, 14)), (side + grid + 10, side))  # the scale
+    draw, strip = ImageDraw.Draw(canvas), Image.new("RGB", (side, grid), "white")  # strip: the names, both axes
+    for share in (0, 0.05, 0.25, 0.5, 1):
+        draw.text((side + grid + 28, side + (1 - share ** 0.5) * grid), f"{share:.0%}", "black", font, anchor="lm")
+    for i, j in confusion.nonzero().tolist() if n <= 30 else []:
+        draw.text((side + (j + 0.5) * cell, side + (i + 0.5) * cell), f"{100 * rows[i, j]:.0f}",
+                  "white" if rows[i, j] > 0.3 else "black", font, anchor="mm")
+    for i in range(n) if n <= 30 else []:
+        ImageDraw.Draw(strip).text((6, (i + 0.5) * cell), labels[i], "black", font, anchor="lm")
+    canvas.paste(strip, (0, side))
+    canvas.paste(strip.rotate(90, expand=True), (side, 0))
+    draw.multiline_text((side + grid + 70, side), "\n".join(notes), "black", font, spacing=8)
+    return TF.pil_to_tensor(canvas)
 
 
 # --------------------------------------------------------------------------------------------- profiling

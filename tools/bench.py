@@ -19,6 +19,11 @@ On a CUDA machine (skipped on a CPU, with a line saying so), and alone with --gp
                   ImageNet-sized JPEGs at several --workers counts (how many loader cores keep one GPU busy); the
                   project's and the textbook pipeline feeding the same bf16 step; GPU JPEG decoding (decode_jpeg on
                   cuda). Each row has a time limit, and rows that no longer fit --gpu-budget are skipped and named.
+With --photos, instead (alone, bash run.sh bench --photos):
+  photo rows      decode + 224-pixel training crop of photo-like JPEGs (quality 90) at 500 x 375, 1600 x 1200 and
+                  4032 x 3024, img/s on one core: the project's pipeline before (every image decoded in full) and
+                  after (large JPEGs decoded at 1/2, 1/4 or 1/8 scale), the textbook pipeline, and the project's on a
+                  copy made by tools/shrink.py; interleaved repetitions on the same files, medians
 The scripts run as they are; throughput is parsed from their progress lines ("... R img/s ..."), the first steps
 dropped as warm-up: steady-state images / training time, start-up, evaluation and checkpoints excluded. All runs are
 repeated (--repeats, default 3) and interleaved, the runs compared by a ratio next to each other; every figure is
@@ -54,6 +59,11 @@ GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batc
 GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
 GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last")
 GPU_LIMIT_STEPS = (5, 20)  # warm-up (cuDNN's search; the compilation) and measured steps, whatever --quick says
+# width, height, noise: ImageNet's size, 2 MP and a 12 MP phone photo (4.2 MiB), then a smoother one (2.5 MiB)
+PHOTO_SOURCES = ((500, 375, 0.05), (1600, 1200, 0.05), (4032, 3024, 0.05), (4032, 3024, 0.025))
+PHOTO_FILES, PHOTO_QUICK_FILES = (48, 24, 12, 12), (4, 2, 2, 0)
+PHOTO_IMG, PHOTO_PIPELINES = 224, ("before", "after", "textbook", "shrunk")
+PHOTO_TARGETS = {"after_vs_textbook": 3.5, "shrunk_vs_before": 50.0}  # at 12 MP, on one core
 TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0, "startup_s": 1.0}
 
 
@@ -220,19 +230,143 @@ def gpu_jpegs_child(opts):
 
 
 def write_jpeg(job):
-    """A smooth random picture with fine noise: compresses to roughly a photo's size, not to a flat colour's."""
+    folder, i = job
+    return photo_jpeg(folder / f"class{i % 10}" / f"{i:05d}.jpg", 500, 375, i, 0.08)
+
+
+def photo_jpeg(path, width, height, seed, noise):
+    """A smooth random picture with fine noise: compresses to roughly a photo's size, not to a flat colour's (noise
+    0.05 at quality 90: 69 KiB at 500 x 375, 4.2 MiB at 4032 x 3024)."""
     import torch
     import torch.nn.functional as F
     from PIL import Image
-    folder, i = job
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(i)
+    generator = torch.Generator().manual_seed(seed)
     coarse = torch.rand(1, 3, 6, 8, generator=generator)
-    picture = F.interpolate(coarse, size=(375, 500), mode="bicubic", align_corners=False)[0]
-    picture = (picture + 0.08 * torch.randn(3, 375, 500, generator=generator)).clamp(0, 1)
-    path = folder / f"class{i % 10}" / f"{i:05d}.jpg"
+    picture = F.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False)[0]
+    picture = (picture + noise * torch.randn(3, height, width, generator=generator)).clamp(0, 1)
     Image.fromarray((picture * 255).byte().permute(1, 2, 0).numpy()).save(path, quality=90)
-    return path.stat().st_size
+    return Path(path).stat().st_size
+
+
+# ------------------------------------------------------------------------------------------ children: photo rows
+def photo_jpegs_child(opts):
+    """The photo-like JPEGs of the photo rows, <folder>/<W>x<H>-<noise>/c<0|1>/, written by every core."""
+    import multiprocessing
+    folder, counts = Path(opts.child_photo_jpegs[0]), [int(c) for c in opts.child_photo_jpegs[1:]]
+    jobs = []
+    for (width, height, noise), count in zip(PHOTO_SOURCES, counts):
+        for i in range(count):
+            (folder / f"{width}x{height}-{noise}" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            jobs.append((folder / f"{width}x{height}-{noise}" / f"c{i % 2}" / f"{i:03d}.jpg", width, height, i, noise))
+    with multiprocessing.get_context("fork").Pool() as pool:
+        sizes = pool.starmap(photo_jpeg, jobs, chunksize=1)
+    print(RESULT_TAG + json.dumps({"bytes": sizes}), flush=True)
+
+
+def photos_child(opts):
+    """img/s of each pipeline on each size's files, on one thread: the decode and the 224-pixel training crop (the
+    project's uint8 tensors, the textbook's normalised floats). Repetitions interleaved, each in another order."""
+    import torch
+    import torchvision
+    import torchvision.transforms as T
+    sys.path.insert(0, str(REPO))
+    import utils
+    torch.set_num_threads(1)
+    folder, shrunk, repeats, seconds = opts.child_photos[0], opts.child_photos[1], int(opts.child_photos[2]), \
+        float(opts.child_photos[3])
+    header_size = utils.jpeg_size
+
+    def pipeline(name, size):
+        root = Path(shrunk if name == "shrunk" else folder) / size
+        if name == "textbook":
+            dataset = torchvision.datasets.ImageFolder(str(root), T.Compose([
+                T.RandomResizedCrop(PHOTO_IMG), T.RandomHorizontalFlip(), T.ToTensor(),
+                T.Normalize(utils.MEAN, utils.STD)]))
+            return len(dataset), lambda epoch, i: dataset[i]
+        samples = utils.Samples([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
+        dataset = utils.ImageFiles(samples, PHOTO_IMG, train=True, seed=0)
+        # before: without the header's size every image is decoded in full, and its box drawn from the decoded size
+        utils.jpeg_size = (lambda data: None) if name == "before" else header_size
+        return len(dataset), lambda epoch, i: dataset[(epoch, i)]
+
+    def rate(name, size, epoch):
+        count, item = pipeline(name, size)
+        item(epoch, 0)  # warm-up: the first call of each path
+        images, start = 0, time.perf_counter()
+        while images < count or time.perf_counter() - start < seconds:  # every file once, and at least `seconds`
+            item(epoch + images // count, images % count)
+            images += 1
+        return images / (time.perf_counter() - start)
+
+    sizes = [f"{w}x{h}-{noise}" for w, h, noise in PHOTO_SOURCES if (Path(folder) / f"{w}x{h}-{noise}").is_dir()]
+    rates = {size: {name: [] for name in PHOTO_PIPELINES} for size in sizes}
+    for rep in range(repeats):
+        for size in sizes:
+            order = PHOTO_PIPELINES[rep % 4:] + PHOTO_PIPELINES[:rep % 4]  # a drift of the machine hits each alike
+            for name in order:
+                rates[size][name].append(rate(name, size, 1000 * rep))
+    print(RESULT_TAG + json.dumps(rates), flush=True)
+
+
+def photo_rows(opts, cores, tmp):
+    """The photo rows: the JPEGs, their copy by tools/shrink.py (timed), then the pipelines on one core."""
+    counts = PHOTO_QUICK_FILES if opts.quick else PHOTO_FILES
+    repeats = opts.repeats or (1 if opts.quick else 5)
+    opts.limit = opts.limit or (2, 5, 5, 20)  # passed on to every child, which ignores it
+    folder, shrunk = tmp / "photos", tmp / "photos-shrunk"
+    made = run_child(opts, "photo-like JPEGs", cores, "--child-photo-jpegs", str(folder), *map(str, counts))[0]
+    start = time.perf_counter()
+    code, lines, stderr, _, _ = run_process([sys.executable, str(REPO / "tools" / "shrink.py"), str(folder),
+                                             str(shrunk)], child_env(1), opts.timeout)
+    if code != 0:
+        raise RuntimeError(f"tools/shrink.py failed (exit {code}):\n{stderr[-2000:]}")
+    shrink_s = time.perf_counter() - start
+    measured = run_child(opts, "photo pipelines", 1, "--child-photos", str(folder), str(shrunk), str(repeats),
+                         "0.2" if opts.quick else "1.0")[0]
+    rows, offset = [], 0
+    for (width, height, noise), count in zip(PHOTO_SOURCES, counts):
+        if not count:
+            continue
+        runs = measured[f"{width}x{height}-{noise}"]
+        kib = statistics.mean(made["bytes"][offset:offset + count]) / 1024
+        offset += count
+        row = {"source": f"{width} x {height}", "noise": noise, "files": count, "mean_kib": kib,
+               **{f"{name}_img_s": median(runs[name]) for name in PHOTO_PIPELINES},
+               **{f"{name}_each": runs[name] for name in PHOTO_PIPELINES}}
+        for key, (a, b) in (("after_vs_textbook", ("after", "textbook")), ("after_vs_before", ("after", "before")),
+                            ("shrunk_vs_before", ("shrunk", "before"))):
+            row[key] = median([ratio(x, y) for x, y in zip(runs[a], runs[b])])  # within each repetition
+        rows.append(row)
+    twelve = rows[2]  # 4032 x 3024, 4.2 MiB
+    targets = {key: {"target": target, "value": twelve[key], "met": twelve[key] >= target}
+               for key, target in PHOTO_TARGETS.items()}
+    return {"rows": rows, "targets": targets, "repeats": repeats, "img_size": PHOTO_IMG, "shrink_s": shrink_s,
+            "shrink_images": sum(counts), "shrink_cores": cores, "other_cores": measured["other_cores"],
+            "config": {"quick": opts.quick}}
+
+
+def photo_table(photos):
+    def fmt(x, digits=1):
+        return "-" if x is None else f"{x:.{digits}f}"
+    lines = [f"# Photos: decode + {photos['img_size']} px training crop, img/s on one core (1 process, 1 thread), "
+             f"photo-like JPEGs at quality 90; {photos['repeats']} interleaved repetition(s), medians", "",
+             "| source | files | ours before (full decode) | ours after (reduced decode) | textbook (PIL) | "
+             "ours on the shrunk copy | after / textbook | after / before | shrunk / before |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in photos["rows"]:
+        lines.append(f"| {row['source']} ({row['mean_kib']:.0f} KiB) | {row['files']} | " + " | ".join(
+            fmt(row[f"{name}_img_s"]) for name in PHOTO_PIPELINES) + f" | {fmt(row['after_vs_textbook'], 2)} | "
+            f"{fmt(row['after_vs_before'], 2)} | {fmt(row['shrunk_vs_before'], 1)} |")
+    lines.append("")
+    for key, target in photos["targets"].items():
+        lines.append(f"- at 12 MP (4.2 MiB), {key.replace('_vs_', ' / ')}: {fmt(target['value'], 2)} "
+                     f"({'met' if target['met'] else 'missed'}: >= {target['target']})")
+    lines.append(f"- tools/shrink.py made the copy (longer side <= 512 px) of {photos['shrink_images']} files in "
+                 f"{photos['shrink_s']:.1f} s on {photos['shrink_cores']} core(s), start-up included")
+    lines.append(f"- other load: {fmt(photos['other_cores'], 2)} cores used by processes not ours while the "
+                 f"pipelines were measured: above ~0.1 the figures are slowed by others")
+    return "\n".join(lines)
 
 
 def gpu_feed_child(opts):
@@ -721,6 +855,8 @@ def main():
                         "under 0.15 cores (each run's 'other load' is reported either way)")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (bash run.sh gpucheck)")
     parser.add_argument("--gpu-budget", type=int, default=420, help="seconds for all the GPU rows together")
+    parser.add_argument("--photos", action="store_true", help="only the photo rows: our data pipeline before and "
+                        "after reduced JPEG decoding, the textbook one and a shrunk copy, at 3 photo sizes")
     # the probe children (internal)
     parser.add_argument("--child-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-gpu-limit", nargs="+", help=argparse.SUPPRESS)  # modes
@@ -728,6 +864,8 @@ def main():
     parser.add_argument("--child-gpu-feed", nargs=3, help=argparse.SUPPRESS)  # pipeline, workers, folder
     parser.add_argument("--child-gpu-decode", help=argparse.SUPPRESS)  # folder
     parser.add_argument("--child-split", type=int, nargs=3, help=argparse.SUPPRESS)  # processes, threads, classes
+    parser.add_argument("--child-photo-jpegs", nargs="+", help=argparse.SUPPRESS)  # folder, files of each source
+    parser.add_argument("--child-photos", nargs=4, help=argparse.SUPPRESS)  # folder, shrunk, repeats, seconds
     parser.add_argument("--limit", type=int, nargs=4, help=argparse.SUPPRESS)  # warm-up, steps: CPU, then GPU
     parser.add_argument("--loader-batches", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -736,7 +874,8 @@ def main():
     if opts.child_split:
         return split_child(opts)
     for name, run in (("child_gpu_limit", gpu_limit_child), ("child_gpu_jpegs", gpu_jpegs_child),
-                      ("child_gpu_feed", gpu_feed_child), ("child_gpu_decode", gpu_decode_child)):
+                      ("child_gpu_feed", gpu_feed_child), ("child_gpu_decode", gpu_decode_child),
+                      ("child_photo_jpegs", photo_jpegs_child), ("child_photos", photos_child)):
         if getattr(opts, name):
             return run(opts)
 
@@ -752,10 +891,14 @@ def main():
     meter = CpuMeter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
-        results = {"machine": {}} if opts.gpu_only else measure(opts, cores, threads, repeats, tmp)
-        # on a CPU the probe already said there is no GPU: no process started to find out again
-        cuda = opts.gpu_only or results["config"]["device"] == "cuda"
-        results["gpu"] = gpu_rows(opts, cores, threads, tmp) if cuda else {"skipped_all": "no CUDA GPU on this machine"}
+        if opts.photos:
+            results = {"machine": {"cpu": cpu_model(), "cores": cores}, "photos": photo_rows(opts, cores, tmp)}
+        else:
+            results = {"machine": {}} if opts.gpu_only else measure(opts, cores, threads, repeats, tmp)
+            # on a CPU the probe already said there is no GPU: no process started to find out again
+            cuda = opts.gpu_only or results["config"]["device"] == "cuda"
+            results["gpu"] = gpu_rows(opts, cores, threads, tmp) if cuda else {"skipped_all": "no CUDA GPU on this "
+                                                                                               "machine"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["machine"].update(load_before=load_before, other_cores_during=meter.other_cores(UNREAPED[0]),
@@ -764,9 +907,12 @@ def main():
     output_dir = Path(opts.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    if not opts.gpu_only:
+    if opts.photos:
+        print(photo_table(results["photos"]))
+    elif not opts.gpu_only:
         print(table(results))
-    print(gpu_table(results["gpu"]))
+    if not opts.photos:
+        print(gpu_table(results["gpu"]))
     print(f"\nbench.json in {output_dir}; {results['wall_s']:.0f}s in all")
 
 
