@@ -128,7 +128,7 @@ def get_device(requested):
 
 def resolve_run(args, script):
     """The output folder and the checkpoint to resume from, decided without touching the disk. A run never overwrites
-    another's outputs: the default folder is new, and a folder with a checkpoint or results is refused unless resumed."""
+    another's outputs: the default folder is new; a folder with a checkpoint or results is refused unless resumed."""
     stem = Path(script).stem
     if args.resume == "auto":
         output_dir = Path(args.output_dir)
@@ -366,8 +366,8 @@ def make_demo_images(folder, per_class=200, size=80):
         (folder / name).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             g = torch.Generator().manual_seed(label * 100_000 + i)
-            freq, phase, radius, centre = (2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g),
-                                           0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g))
+            freq, phase = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g)
+            radius, centre = 0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g)
             wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
             distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
             pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius, "hstripes": wave(y) > 0,
@@ -515,8 +515,9 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.I)
 def one_line_errors():
     """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
     the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
-    130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1. Whatever the ending, loader
-    workers are ended first: they ignore SIGTERM (ignore_stop_signals), and Python's exit would wait for them."""
+    130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1.
+    Whatever the ending, loader workers are ended first: they ignore SIGTERM (ignore_stop_signals), and Python's
+    exit would wait for them."""
     local_rank_0 = int(os.environ.get("LOCAL_RANK", 0)) == 0
     try:
         yield
@@ -814,8 +815,7 @@ class Logger:
             self.writer.add_scalar("train/data_wait", waiting, global_step)
             self.writer.add_scalar("val/loss", val_loss, global_step)
             self.writer.add_scalar("val/acc", val_acc, global_step)
-            self.writer.add_image("val/confusion", confusion_image(confusion, self.classes),
-                                  global_step)
+            self.writer.add_image("val/confusion", confusion_image(confusion, self.classes), global_step)
             self.writer.flush()
 
     def img_per_s(self):
