@@ -49,6 +49,20 @@ def gpu_env(**extra):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def default_stop_signals():
+    """A suite started with SIGINT or SIGHUP ignored (`nohup bash run.sh test &`: nohup ignores SIGHUP, and a shell
+    script's background job SIGINT) would pass that on to every job it starts, and the tests that stop a job with
+    those signals would watch it train on. A handler that does nothing keeps this process deaf to them, as it was
+    started; exec resets a handler, unlike an ignore, so every started process gets the default."""
+    ignored = [signum for signum in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(signum) == signal.SIG_IGN]
+    for signum in ignored:
+        signal.signal(signum, lambda signum, frame: None)
+    yield
+    for signum in ignored:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def private_tmpdir(tmp_path_factory):
     """What the started processes leave in $TMPDIR (run.sh keeps the launcher's report there) goes to the session's
     own temporary folder, not /tmp."""

@@ -1,6 +1,7 @@
 """The suite's own promises: the CPU tests hide the GPUs from everything they start (only tests/test_gpu.py sees
 them), and a job a test starts ends at its time limit, every process of it, even one that stalls without output."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,3 +53,25 @@ def test_a_job_that_stalls_without_output_is_ended_at_its_time_limit():
     with pytest.raises(subprocess.TimeoutExpired):
         run_job(stall, env=cpu_env(), timeout=3)
     assert time.time() - started < 30
+
+
+def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(tmp_path):
+    """`nohup bash run.sh test &` starts the suite with SIGHUP and SIGINT ignored, and an ignore is inherited by
+    every process started from there: the tests that stop a job with those signals would watch it train on. A suite
+    in that state (a pytest run of one test, started with both ignored) must still start its jobs with the defaults."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import subprocess\n"
+                     "def test_probe():\n"
+                     "    job = subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, text=True)\n"
+                     "    print('started job:', job.stdout.strip())\n")
+
+    def ignore_stop_signals():  # as nohup and a script's `&` leave them
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--rootdir",
+                             str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest", str(probe)],
+                            cwd=tmp_path, env=job_env(PYTHONPATH=str(conftest.REPO / "tests")), capture_output=True,
+                            text=True, timeout=120, preexec_fn=ignore_stop_signals)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ignored = int(result.stdout.split("started job: SigIgn:")[1].split()[0], 16)  # bit N-1: signal N ignored
+    assert not ignored & (1 << signal.SIGINT - 1 | 1 << signal.SIGHUP - 1), result.stdout
