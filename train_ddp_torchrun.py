@@ -6,6 +6,7 @@ last checkpoint, and multi-node rendezvous; plus --sync-bn and gradient accumula
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 train_ddp_torchrun.py --save-every 100
 """
 import contextlib
+import gc
 import os
 import time
 from datetime import timedelta
@@ -17,6 +18,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import utils
+
+
+def build_datasets(args):
+    """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
+    label) items works: uint8 images are normalised on the device, float images used as given; the training set's
+    random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    return (utils.ImageFiles(train_samples, args.img_size, train=True),
+            utils.ImageFiles(val_samples, args.img_size, train=False), classes)
+
+
+def build_model(args, num_classes):
+    """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
+    return utils.torchvision_model(args.model, num_classes, args.weights, args.freeze)
 
 
 def main(args):
@@ -37,20 +52,19 @@ def main(args):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
 
-    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
-    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
-    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
-    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
+    train_set, val_set, classes = build_datasets(args)
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
-                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
-                              persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
+    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
+                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
+                              pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                              worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
-    val_set = Subset(val_set, range(rank, len(val_set), world_size))
+    val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
@@ -61,7 +75,8 @@ def main(args):
     # Model
     torch.manual_seed(args.seed)
     with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
-        model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+        model = build_model(args, len(classes)).to(device)
+    model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     if args.sync_bn and device.type == "cuda":
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -69,7 +84,6 @@ def main(args):
         print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    allreduces = utils.count_allreduces(model)  # to show that no_sync() skips them
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
     global_batch = args.batch_size * world_size * args.accum_steps
@@ -89,14 +103,14 @@ def main(args):
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes, train_samples, val_samples, resume_point=(start_epoch, start_samples))
+    utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-        print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+        print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
               f"{len(classes)} classes; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
               f"{args.accum_steps} accumulation steps; "
@@ -125,7 +139,7 @@ def main(args):
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
-    log.add_training_images(train_set, start_epoch)
+    log.add_training_images(train_loader.dataset, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     val_acc, global_step = None, start_epoch * steps_per_epoch + start_step
     for epoch in range(start_epoch, args.epochs):
@@ -178,12 +192,12 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "allreduces": allreduces.count,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "train_img_per_s": log.img_per_s(),
+               "wall_s": time.time() - start_time, "collectives_per_step": profiler.collectives,  # with --profile
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s, {allreduces.count} gradient all-reduces (buckets x steps)\n"
+          f"{results['train_img_per_s']:.1f} img/s\n"
           f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
@@ -216,6 +230,7 @@ def evaluate(model, loader, device, num_classes, stop=None):
 
 
 if __name__ == "__main__":
+    gc.freeze()  # torch's ~300,000 objects live until exit: the garbage collector need not scan them
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")

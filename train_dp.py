@@ -4,6 +4,7 @@ train_single.py plus DataParallel: each step splits the batch between the GPUs a
 first one. Simple, but one Python process feeds every GPU; DistributedDataParallel (train_ddp_*.py) scales better.
     python train_dp.py                                   # on a CPU or a single GPU it runs unwrapped
 """
+import gc
 import time
 
 import torch
@@ -13,21 +14,33 @@ from torch.utils.data import DataLoader
 import utils
 
 
+def build_datasets(args):
+    """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
+    label) items works: uint8 images are normalised on the device, float images used as given; the training set's
+    random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    return (utils.ImageFiles(train_samples, args.img_size, train=True),
+            utils.ImageFiles(val_samples, args.img_size, train=False), classes)
+
+
+def build_model(args, num_classes):
+    """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
+    return utils.torchvision_model(args.model, num_classes, args.weights, args.freeze)
+
+
 def main(args):
     start_time = time.time()
     utils.check_args(args)
     device = utils.get_device(args.device)
     output_dir, resume = utils.resolve_run(args, __file__)
 
-    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
-    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
-    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
-    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
+    train_set, val_set, classes = build_datasets(args)
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
-                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
-                              persistent_workers=args.workers > 0)
+    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
+                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
+                              pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             persistent_workers=args.workers > 0)
@@ -39,7 +52,8 @@ def main(args):
 
     # Model
     torch.manual_seed(args.seed)
-    model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+    model = build_model(args, len(classes)).to(device)
+    model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     model_without_dp = model  # saved and loaded as is: no "module." prefix in the checkpoints
     gpus = torch.cuda.device_count() if device.type == "cuda" and device.index in (None, 0) else 0
     if gpus > 1:
@@ -69,7 +83,7 @@ def main(args):
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     output_dir.mkdir(parents=True, exist_ok=True)
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-    print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+    print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
           f"{len(classes)} classes; output in {output_dir}\n"
           f"global batch {global_batch} split over {max(gpus, 1)} device(s); "
           f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
@@ -87,7 +101,7 @@ def main(args):
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1)
-    log.add_training_images(train_set, start_epoch)
+    log.add_training_images(train_loader.dataset, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile)
     val_acc = None
     for epoch in range(start_epoch, args.epochs):
@@ -124,8 +138,8 @@ def main(args):
     if val_acc is None:  # the checkpoint had finished training already
         val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "train_img_per_s": log.img_per_s(),
+               "wall_s": time.time() - start_time, "collectives_per_step": profiler.collectives,  # with --profile
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
@@ -153,6 +167,7 @@ def evaluate(model, loader, device, num_classes):
 
 
 if __name__ == "__main__":
+    gc.freeze()  # torch's ~300,000 objects live until exit: the garbage collector need not scan them
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())

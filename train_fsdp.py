@@ -5,6 +5,7 @@ and optimizer state; sharded checkpoints resume at any number of processes. Mixe
     torchrun --standalone --nproc-per-node=2 train_fsdp.py
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 train_fsdp.py --save-every 100
 """
+import gc
 import os
 import shutil
 import time
@@ -19,8 +20,23 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import utils
+
+
+def build_datasets(args):
+    """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
+    label) items works: uint8 images are normalised on the device, float images used as given; the training set's
+    random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
+    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
+    return (utils.ImageFiles(train_samples, args.img_size, train=True),
+            utils.ImageFiles(val_samples, args.img_size, train=False), classes)
+
+
+def build_model(args, num_classes):
+    """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
+    return utils.torchvision_model(args.model, num_classes, args.weights, args.freeze)
 
 
 def main(args):
@@ -41,20 +57,19 @@ def main(args):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
 
-    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.ImageFiles.
-    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
-    train_set = utils.ImageFiles(train_samples, args.img_size, train=True, seed=args.seed)
-    val_set = utils.ImageFiles(val_samples, args.img_size, train=False)
+    # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
+    train_set, val_set, classes = build_datasets(args)
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=utils.EpochSampler(train_sampler),
-                              num_workers=args.workers, drop_last=True, pin_memory=device.type == "cuda",
-                              persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
+    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
+                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
+                              pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                              worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
-    val_set = Subset(val_set, range(rank, len(val_set), world_size))
+    val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
@@ -65,21 +80,25 @@ def main(args):
     # Model
     torch.manual_seed(args.seed)
     with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
-        model = utils.build_model(args.model, len(classes), args.weights, args.freeze).to(device)
+        model = build_model(args, len(classes)).to(device)
+    model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     if args.sync_bn and device.type == "cuda":
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
         print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
-    # Shard each residual block, then the root (what is left: stem and head). Each rank keeps 1/world_size of the
-    # weights, all-gathers a block just before it runs and frees it after; gradients are reduce-scattered, each rank
-    # receiving its shard's. Unlike DDP nothing is copied from rank 0: every rank built the same weights (same seed).
-    # The parameters are DTensors then: the optimizer keeps its state (momentum) for the local shards only.
+    # Shard each unit, then the root (what is left). Each rank keeps 1/world_size of the weights, all-gathers a unit
+    # just before it runs and frees it after; gradients are reduce-scattered, each rank receiving its shard's. Unlike
+    # DDP nothing is copied from rank 0: every rank built the same weights (same seed). The parameters are DTensors
+    # then: the optimizer keeps its state (momentum) for the local shards only.
+    # The units: a ResNet's residual blocks, else each child module of the model that holds parameters. A unit is
+    # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
+    units = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))] or [
+        child for child in model.children() if list(child.parameters())]
     mesh = init_device_mesh(device.type, (world_size,))  # on the script's device (by default: the accelerator's)
-    reduce_scatters = utils.ReduceScatterCounter()  # to show that accumulation reduces on the last micro-step only
-    for module in [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]:
-        fully_shard(module, mesh=mesh).set_custom_reduce_scatter(reduce_scatters)
-    fully_shard(model, mesh=mesh).set_custom_reduce_scatter(reduce_scatters)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
     global_batch = args.batch_size * world_size * args.accum_steps
@@ -105,14 +124,14 @@ def main(args):
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes, train_samples, val_samples, resume_point=(start_epoch, start_samples))
+    utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-        print(f"{args.model} on {device}: {len(train_samples)} training and {len(val_samples)} validation images, "
+        print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
               f"{len(classes)} classes; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
               f"{args.accum_steps} accumulation steps; "
@@ -151,7 +170,7 @@ def main(args):
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
-    log.add_training_images(train_set, start_epoch)
+    log.add_training_images(train_loader.dataset, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     val_acc, global_step = None, start_epoch * steps_per_epoch + start_step
     memory = None  # bytes of parameters, gradients and optimizer state held by this rank
@@ -205,13 +224,13 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               "reduce_scatters": reduce_scatters.count, "bytes_per_rank": memory, "world_size": world_size,
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "train_img_per_s": log.img_per_s(),
+               "wall_s": time.time() - start_time, "collectives_per_step": profiler.collectives,  # with --profile
+               "bytes_per_rank": memory, "world_size": world_size,
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
-          f"{results['train_img_per_s']:.1f} img/s, {reduce_scatters.count} reduce-scatters (modules x steps)\n"
+          f"{results['train_img_per_s']:.1f} img/s\n"
           f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
@@ -227,14 +246,14 @@ def evaluate(model, loader, device, num_classes, stop=None):
     model.eval()
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
-    batches, size = utils.start_workers(loader), loader.dataset.dataset.img_size
+    batches, images, labels = utils.start_workers(loader), None, None
     while True:
         batch = next(batches, None)
         more = torch.tensor([batch is not None, bool(stop)], device=device)  # as int64: any backend reduces it
         dist.all_reduce(more, op=dist.ReduceOp.MAX)
         if not more[0] or more[1]:
             break
-        images, labels = batch or (torch.zeros(0, 3, size, size, dtype=torch.uint8), torch.zeros(0, dtype=int))
+        images, labels = batch or (images[:0], labels[:0])  # done: no images (every rank has had one batch at least)
         images = utils.normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
@@ -248,6 +267,7 @@ def evaluate(model, loader, device, num_classes, stop=None):
 
 
 if __name__ == "__main__":
+    gc.freeze()  # torch's ~300,000 objects live until exit: the garbage collector need not scan them
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")

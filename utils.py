@@ -1,24 +1,28 @@
-"""Helpers that the train_*.py scripts share unchanged. What differs between them (devices, process groups,
-samplers, the training loop) lives in the scripts; each robustness concern lives here once, behind one call."""
+"""Small helpers that the train_*.py scripts share unchanged, one concern each: arguments, the built-in image data
+and ResNet (what each script's build_datasets() and build_model() call, and what yours replace), the sample stream,
+checkpoints, how a run ends, logging. Those under "multi-process rungs only" serve the DDP and FSDP scripts. What
+differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts."""
 import argparse
 import array
 import contextlib
 import datetime
 import gc
+import io
 import itertools
 import json
 import math
 import multiprocessing
 import os
+import random
 import re
 import signal
 import sys
 import time
 import traceback
-import types
 import urllib.parse
 from pathlib import Path
 
+import numpy
 import torch
 import torchvision
 import torchvision.transforms.v2.functional as TF
@@ -30,10 +34,6 @@ DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
 DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
-
-# torch's and torchvision's ~300,000 objects live until exit: keep them out of the garbage collector's passes (start-up
-# time, and forked loader workers would otherwise touch, and so copy, the pages that hold them)
-gc.freeze()
 
 
 class UsageError(Exception):
@@ -77,8 +77,8 @@ def get_args_parser(description):
                         help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile N steps (after 3 warm-up steps) with torch.profiler; writes trace.json")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps (after 3 warm-up "
+                        "steps) with torch.profiler: trace.json, and the collectives per step in results.json")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
                         "validation when --data-path has no train/ and val/ folders")
     return parser
@@ -98,9 +98,8 @@ def check_args(args):
         raise UsageError("--test-only evaluates a checkpoint: give it with --resume PATH")
     if args.resume == "auto" and not args.output_dir:
         raise UsageError("--resume auto continues the run in --output-dir: give that folder too")
-    demo = args.data_path is None
-    args.epochs = args.epochs or (12 if demo else 30)
-    args.img_size = args.img_size or (64 if demo else 224)
+    args.epochs = args.epochs or (12 if args.data_path is None else 30)
+    args.img_size = args.img_size or (64 if args.data_path is None else 224)
     return args
 
 
@@ -129,29 +128,25 @@ def get_device(requested):
 def resolve_run(args, script):
     """The output folder and the checkpoint to resume from, decided without touching the disk. A run never overwrites
     another's outputs: the default folder is new; a folder with a checkpoint or results is refused unless resumed."""
-    stem = Path(script).stem
+    output_dir, resume = Path(args.output_dir) if args.output_dir else None, None
     if args.resume == "auto":
-        output_dir = Path(args.output_dir)
         resume = output_dir / "last.pt" if (output_dir / "last.pt").exists() else None
     elif args.resume:
         resume = Path(args.resume)
         if not resume.is_file():
             raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt from an earlier run")
-        output_dir = Path(args.output_dir) if args.output_dir else None
         if output_dir is None and not args.test_only:
             output_dir = resume.parent  # continue the run where it was
-    else:
-        resume, output_dir = None, Path(args.output_dir) if args.output_dir else None
-    if output_dir is None:
-        output_dir = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        n = 1
+    if output_dir is None:  # a new folder
+        stem, n = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}", 1
+        output_dir = Path("runs") / stem
         while output_dir.exists():
             n += 1
-            output_dir = output_dir.with_name(f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+            output_dir = Path("runs") / f"{stem}-{n}"
     taken = [name for name in ("last.pt", "results.json") if (output_dir / name).exists()]
-    if args.test_only and (output_dir / "results.json").exists():
-        taken = ["results.json"]
-    elif resume is not None and not args.test_only:
+    if args.test_only:
+        taken = [name for name in taken if name == "results.json"]
+    elif resume is not None:
         taken = []
     if taken:
         raise UsageError(f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
@@ -167,15 +162,14 @@ def find_images(data_path, val_fraction):
     if not root.is_dir():
         raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
     if (root / "train").is_dir() and (root / "val").is_dir():
-        classes, train = _scan_classes(root / "train")
-        val_classes, val = _scan_classes(root / "val")
-        unknown = sorted(set(val_classes) - set(classes))
-        if unknown:
+        classes, train = scan_classes(root / "train")
+        val_classes, val = scan_classes(root / "val")
+        if unknown := sorted(set(val_classes) - set(classes)):
             raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
         index = {name: i for i, name in enumerate(classes)}
         val = [(path, index[val_classes[label]]) for path, label in val]
     else:
-        classes, samples = _scan_classes(root)
+        classes, samples = scan_classes(root)
         per_class = [[] for _ in classes]  # one pass: start-up stays linear in the number of files
         for path, label in samples:
             per_class[label].append(path)
@@ -185,15 +179,19 @@ def find_images(data_path, val_fraction):
             n_val = round(val_fraction * len(files))
             val += [(files[i], label) for i in sorted(order[:n_val])]
             train += [(files[i], label) for i in sorted(order[n_val:])]
-    if not val:
-        raise UsageError(f"the validation split of {root} is empty; raise --val-fraction or add images")
-    if not train:
-        raise UsageError(f"the training split of {root} is empty; lower --val-fraction or add images")
+    for name, split, fix in (("validation", val, "raise"), ("training", train, "lower")):
+        if not split:
+            raise UsageError(f"the {name} split of {root} is empty; {fix} --val-fraction or add images")
     return classes, Samples(train), Samples(val)
 
 
-def _scan_classes(root):
+def scan_classes(root):
+    """(class names, [(path, label)]) of root/<class>/**/<image>, hidden files and folders left out."""
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    if not classes:
+        raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
+    if len(classes) < 2:
+        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
     samples = []
     for label, name in enumerate(classes):
         files = []
@@ -205,10 +203,6 @@ def _scan_classes(root):
             raise UsageError(f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                              f"add some or remove the folder")
         samples += [(f, label) for f in files]
-    if not classes:
-        raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
-    if len(classes) < 2:
-        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
     return classes, samples
 
 
@@ -218,9 +212,8 @@ class Samples:
 
     def __init__(self, pairs):
         paths = [os.fsencode(path) for path, _ in pairs]  # fsencode/fsdecode round-trip undecodable file names
-        self.paths = b"".join(paths)
+        self.paths, self.labels = b"".join(paths), array.array("i", [label for _, label in pairs])
         self.offsets = array.array("q", itertools.accumulate(map(len, paths), initial=0))
-        self.labels = array.array("i", [label for _, label in pairs])
 
     def __len__(self):
         return len(self.labels)
@@ -229,50 +222,48 @@ class Samples:
         index = range(len(self.labels))[index]  # bounds check, and negative indices
         return os.fsdecode(self.paths[self.offsets[index]:self.offsets[index + 1]]), self.labels[index]
 
-    def __iter__(self):
-        return map(self.__getitem__, range(len(self.labels)))
-
 
 class ImageFiles(Dataset):
-    """Image files decoded to uint8 tensors of shape (3, size, size); normalise whole batches with normalize().
+    """Image files decoded to uint8 tensors of shape (3, size, size); normalize() normalises whole batches on the
+    device. A training item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
 
-    For training, an item is asked for as (epoch, index) and its random crop and flip are drawn from a generator
-    seeded by (seed, epoch, index) alone: the sample stream does not depend on workers, ranks or resumption.
-    """
-
-    def __init__(self, samples, img_size, train, seed=0):
-        self.samples, self.img_size, self.train, self.seed = samples, img_size, train, seed
+    def __init__(self, samples, img_size, train):
+        self.samples, self.img_size, self.train = samples, img_size, train
 
     def __len__(self):
         return len(self.samples)
 
-    def __getitem__(self, key):
-        epoch, index = key if self.train else (0, key)
+    def __getitem__(self, index):
         path, label = self.samples[index]
-        generator, plan = torch.Generator().manual_seed(hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF), []
+        plan = []
 
         def scale(height, width):  # the full size: the crop box, then 1/8, 1/4 or 1/2 if the box stays >= the target
-            plan[:] = [width, *(random_crop_box(height, width, generator) if self.train else (0, 0, height, width))]
+            plan[:] = [width, *(random_crop_box(height, width) if self.train else (0, 0, height, width))]
             target = self.img_size if self.train else round(self.img_size * 8 / 7)
             return next((s for s in (8, 4, 2) if min(plan[3:5]) >= s * target), 1)
         image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
         if not plan:  # other images: once decoded
             scale(*image.shape[-2:])
-        if self.train:  # the box, mapped onto an image decoded smaller by the ratio of the widths (else 1)
-            top, left, height, width, flip, ratio = *plan[1:], image.shape[-1] / plan[0]
-            top, left, bottom, right = (round(v * ratio) for v in (top, left, top + height, left + width))
-            # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
-            image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right],
-                                                    size=[self.img_size] * 2, mode="bilinear", antialias=True)[0]
-            if flip:
-                image = image.flip(-1)
-        else:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
-            image = TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size)
-        return image, label
+        if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
+            return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
+        # the box, mapped onto an image decoded smaller by the ratio of the widths (else 1)
+        top, left, height, width, flip, ratio = *plan[1:], image.shape[-1] / plan[0]
+        top, left, bottom, right = (round(v * ratio) for v in (top, left, top + height, left + width))
+        # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
+        image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right], size=[self.img_size] * 2,
+                                                mode="bilinear", antialias=True)[0]
+        return image.flip(-1) if flip else image, label
+
+    def large_photo_hint(self):
+        """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""
+        from PIL import Image
+        sides = sorted(min(Image.open(self.samples[i][0]).size) for i in range(0, len(self), len(self) // 8 or 1))
+        if (side := sides[len(sides) // 2]) >= 4 * self.img_size:
+            return f"{side} px images for a {self.img_size} px crop: train on a copy from bash run.sh shrink"
 
 
-def random_crop_box(height, width, generator, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)):
-    """RandomResizedCrop's box and a horizontal flip, drawn from `generator` instead of the global RNG."""
+def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)):
+    """RandomResizedCrop's box and a horizontal flip: (top, left, height, width, flip)."""
     for _ in range(10):
         area_u, ratio_u, top_u, left_u, flip_u = torch.rand(5, generator=generator).tolist()
         area = height * width * (scale[0] + area_u * (scale[1] - scale[0]))
@@ -285,45 +276,67 @@ def random_crop_box(height, width, generator, scale=(0.25, 1.0), ratio=(3 / 4, 4
 
 def decode_image(path, scale=None):
     """Any image file as a 3-channel uint8 tensor: grey, palette, RGBA and CMYK images are converted to RGB.
-    scale(height, width) -> 2, 4 or 8: decode a JPEG of that size (its header's) at 1/scale, the sides rounded up."""
+    scale(height, width) -> 1, 2, 4 or 8, given a JPEG's size from its header: decode it at 1/scale (sides rounded
+    up) in the DCT domain, skipping most of the work (PIL's draft)."""
     from PIL import Image
     try:
         data = Path(path).read_bytes()
-        if not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
-            return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                               mode=torchvision.io.ImageReadMode.RGB)
-    except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
-        factor = 1
-    try:
-        with Image.open(path) as image:
-            if factor > 1:  # in the DCT domain, skipping most of the work: PIL's draft
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            if image.format == "JPEG" and scale and min(image.size) and (factor := scale(*image.size[::-1])) > 1:
                 image.draft("RGB", (image.width // factor, image.height // factor))
-            return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
+                return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
+            try:
+                return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                                   mode=torchvision.io.ImageReadMode.RGB)
+            except Exception:  # a format torchvision does not decode (BMP, TIFF, ...)
+                return TF.pil_to_tensor(image.convert("RGB"))
     except Exception as error:
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
-
-
-def jpeg_size(data):  # (height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None
-    i = 2 if data[:2] == b"\xff\xd8" else len(data)
-    while i + 9 < len(data) and data[i] == 0xFF:
-        if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
-        i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
 
 
 _STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from a list on a GPU waits for the copy
 
 
 def normalize(images):
-    """uint8 batch -> float batch normalised with the ImageNet statistics; run it on the training device."""
+    """A batch on the training device: uint8 images (ImageFiles') become floats normalised with the ImageNet
+    statistics; anything else (a dataset that normalises its own images) is used as it is."""
+    if images.dtype != torch.uint8:
+        return images
     if images.device not in _STATISTICS:
         _STATISTICS[images.device] = [torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (MEAN, STD)]
     mean, std = _STATISTICS[images.device]
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
 
+class SeededItems(Dataset):
+    """Any map-style dataset as the training loader reads it. EpochSampler asks for (epoch, index); the item is
+    dataset[index], computed with torch's (CPU), Python's and numpy's global generators seeded from (seed, epoch,
+    index) and restored after. Random augmentation (torchvision transforms, random, numpy.random) is then a pure
+    function of (seed, epoch, index), whatever the loader workers, ranks or resumption. The dataset sees an index."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        seed, saved = hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF, (
+            torch.get_rng_state(), random.getstate(), numpy.random.get_state())
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
+        random.seed(seed)
+        numpy.random.seed(seed & 0xFFFF_FFFF)
+        try:
+            return self.dataset[index]
+        finally:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            numpy.random.set_state(saved[2])
+
+
 class EpochSampler(torch.utils.data.Sampler):
-    """Wraps a training sampler: yields (epoch, index) for ImageFiles, and can start mid-epoch after a resume."""
+    """Wraps a training sampler: yields (epoch, index) for SeededItems, and can start mid-epoch after a resume."""
 
     def __init__(self, sampler):
         self.sampler, self.epoch, self.skip, self.length = sampler, 0, 0, len(sampler)
@@ -347,15 +360,14 @@ class EpochSampler(torch.utils.data.Sampler):
 
 def demo_data():
     """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
-    if DEMO_DIR.is_dir():
-        return DEMO_DIR
-    partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: ranks and kills leave no half dataset
-    make_demo_images(partial)
-    try:
-        os.rename(partial, DEMO_DIR)
-    except OSError:  # another process finished first; its images are identical
-        import shutil
-        shutil.rmtree(partial, ignore_errors=True)
+    if not DEMO_DIR.is_dir():
+        partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: no half dataset, ever
+        make_demo_images(partial)
+        try:
+            os.rename(partial, DEMO_DIR)
+        except OSError:  # another process finished first; its images are identical
+            import shutil
+            shutil.rmtree(partial, ignore_errors=True)
     return DEMO_DIR
 
 
@@ -380,24 +392,22 @@ def make_demo_images(folder, per_class=200, size=80):
 
 
 # ------------------------------------------------------------------------------------------------ model
-def build_model(name, num_classes, weights=None, freeze=False):
-    """A torchvision ResNet; `weights` (see load_weights) are loaded except a classifier head of another shape."""
+def torchvision_model(name, num_classes, weights=None, freeze=False):
+    """A torchvision ResNet; `weights` (see load_weights) are loaded except a classifier head of another shape.
+    freeze: only the head (fc) trains."""
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if weights:
-        state = load_weights(name, weights)
-        own = model.state_dict()
-        skipped = [k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape]
-        state = {k: v for k, v in state.items() if k not in skipped}
+        state, own = load_weights(name, weights), model.state_dict()
+        skipped = {k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape}
         try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, False)
         except RuntimeError as error:
             raise UsageError(f"--weights {weights} do not fit {name}: {str(error).splitlines()[1].strip()}") from None
-        if set(missing) - set(skipped) or unexpected:
-            raise UsageError(f"--weights {weights} do not fit {name}: {len(set(missing) - set(skipped))} missing and "
+        if set(missing) - skipped or unexpected:
+            raise UsageError(f"--weights {weights} do not fit {name}: {len(set(missing) - skipped)} missing and "
                              f"{len(unexpected)} unexpected keys; pass weights saved from a {name}")
-    if freeze:
-        for param_name, param in model.named_parameters():
-            param.requires_grad = param_name.startswith("fc.")
+    for param_name, param in model.named_parameters():
+        param.requires_grad = not freeze or param_name.startswith("fc.")
     return model
 
 
@@ -407,21 +417,19 @@ def load_weights(name, weights):
     if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
         state = load_file(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
-    enum = torchvision.models.get_model_weights(name)
-    family, _, short = weights.rpartition(".")
-    short = short.upper()
+    enum, (family, _, short) = torchvision.models.get_model_weights(name), weights.rpartition(".")
     if family and family != enum.__name__:
         other = family.removesuffix("_Weights").lower()
         raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
                          f"{name}'s: {', '.join(enum.__members__)}")
-    if short not in enum.__members__:
+    if short.upper() not in enum.__members__:
         raise UsageError(f"--weights {weights}: no such file, and torchvision has no weights of that name for "
                          f"{name}; it has {', '.join(enum.__members__)}")
-    url = enum[short].url
+    url = enum[short.upper()].url
     # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
     try:
-        return enum[short].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
+        return enum[short.upper()].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
     except Exception as error:
         reason = str(error).strip().splitlines()[0].split(". ")[0][:120] if str(error).strip() else repr(error)
         if cached.exists():
@@ -432,12 +440,13 @@ def load_weights(name, weights):
 
 
 def train_mode(model, freeze):
-    """model.train(), except that a frozen backbone keeps its BatchNorm layers in eval mode."""
+    """model.train(), except that with --freeze the BatchNorm layers whose parameters are frozen stay in eval mode
+    (their running statistics belong to the frozen backbone)."""
     model.train()
-    if freeze:
-        for module in model.modules():
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                module.eval()
+    for module in model.modules():
+        if freeze and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not any(
+                p.requires_grad for p in module.parameters()):
+            module.eval()
 
 
 def warmup_cosine(total_steps):
@@ -486,8 +495,7 @@ def write_json(path, data):
 def load_file(path, flag):
     if not Path(path).is_file():
         raise UsageError(f"{flag} {path}: no such file")
-    try:
-        # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
+    try:  # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise UsageError(f"{flag} {path}: not a readable checkpoint ({str(error).splitlines()[0][:120]})") from None
@@ -516,9 +524,8 @@ def one_line_errors():
     """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
     the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
     130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1.
-    Whatever the ending, loader workers are ended first: they ignore SIGTERM (ignore_stop_signals), and Python's
-    exit would wait for them."""
-    local_rank_0 = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    Whatever the ending, loader workers are ended first: they ignore SIGTERM, and Python's exit would wait for them."""
+    local_rank_0, status = int(os.environ.get("LOCAL_RANK", 0)) == 0, 1
     try:
         yield
         return
@@ -528,7 +535,6 @@ def one_line_errors():
         else:  # give local rank 0 time to print it: the launcher stops every rank once one of them has failed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(10)
-        status = 1
     except KeyboardInterrupt:
         if local_rank_0:
             print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
@@ -547,7 +553,6 @@ def one_line_errors():
                       f"missing or stuck; start every process (every node), or raise --dist-timeout", file=sys.stderr)
         else:
             traceback.print_exc()
-        status = 1
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
     for worker in multiprocessing.active_children():
         worker.kill()
@@ -620,11 +625,14 @@ def local_rank_0_first():
         dist.barrier()
 
 
-def same_on_every_rank(classes, train_samples, val_samples, resume_point):
+def same_on_every_rank(classes, train_set, val_set, resume_point):
     """Stop before training if the ranks do not see the same data or resume point (each node reads its own disk):
     they would train on mismatched samples, or hang on different numbers of steps."""
     import torch.distributed as dist
-    facts = dict(classes=classes, training_images=len(train_samples), validation_images=len(val_samples),
+    if len(val_set) < dist.get_world_size():  # a rank with no validation image would wait in FSDP's evaluation
+        raise UsageError(f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
+                         f"one at least (raise --val-fraction or add images)")
+    facts = dict(classes=classes, training_images=len(train_set), validation_images=len(val_set),
                  resume_point=resume_point)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, facts)
@@ -688,31 +696,6 @@ def start_workers(loader):
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def count_allreduces(model):
-    """DDP's gradient all-reduces, counted by a communication hook."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    counter = types.SimpleNamespace(count=0)
-
-    def counted(state, bucket):
-        counter.count += 1
-        return default_hooks.allreduce_hook(None, bucket)
-    model.register_comm_hook(None, counted)
-    return counter
-
-
-class ReduceScatterCounter:
-    """FSDP's gradient reduce-scatter (set_custom_reduce_scatter's interface), counting its calls."""
-    count = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
-        self.count += 1
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def shard_bytes(model, optimizer):
     """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state."""
     return {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
@@ -755,15 +738,19 @@ class Logger:
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
 
-    def add_training_images(self, dataset, epoch, count=32):
-        """TensorBoard: a grid of training images as the model sees them (cropped, flipped, resized)."""
-        if self.enabled:
-            picks = torch.linspace(0, len(dataset) - 1, min(count, len(dataset))).long().tolist()  # of every class
-            grid = torchvision.utils.make_grid(torch.stack([dataset[(epoch, i)][0] for i in picks]), nrow=8)
+    def add_training_images(self, items, epoch, count=32):
+        """TensorBoard: a grid of training images as the model sees them (augmented), if the items are images.
+        items: the training loader's SeededItems. For the built-in image folders, also the large-photo hint."""
+        if not self.enabled:
+            return
+        picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()  # of every class
+        images = [items[(epoch, i)][0] for i in picks]
+        if all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
+            floats = images[0].is_floating_point()  # a dataset's own normalised images: each shown from min to max
+            grid = torchvision.utils.make_grid(torch.stack(images), nrow=8, normalize=floats, scale_each=True)
             self.writer.add_image("train/augmented_images", grid, epoch)
-            sides = sorted(min(jpeg_size(Path(dataset.samples[i][0]).read_bytes()) or (0, 0)) for i in picks[::4])
-            if (side := sides[len(sides) // 2]) >= 4 * dataset.img_size:  # the median of up to 8 JPEGs' headers
-                self.fix = f"{side} px images for a {dataset.img_size} px crop: train on a copy from bash run.sh shrink"
+        if isinstance(items.dataset, ImageFiles):
+            self.fix = items.dataset.large_photo_hint() or self.fix
 
     def start_epoch(self, epoch, start_step=0):
         self.epoch, self.epoch_steps, self.data_wait, self.last_step = epoch, 0, 0.0, start_step
@@ -786,7 +773,7 @@ class Logger:
         self.step_end = now = time.perf_counter()
         if (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
             return
-        loss = loss.item()  # the only host-device sync in the loop, once per print_freq steps, on every rank
+        loss = loss.item()  # waits for the device: once per print_freq steps, on every rank (docs/performance.md)
         if not math.isfinite(loss):  # every rank stops here: a diverged model has NaN weights on every rank
             raise UsageError(f"the loss is {loss} at step {global_step} (lr {lr:.5g}): training diverged; "
                              f"{DIVERGED_HINT}")
@@ -796,9 +783,8 @@ class Logger:
         eta = (now - self.epoch_start) / self.epoch_steps * (self.steps_per_epoch - step - 1)
         print(f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
               f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s", flush=True)
-        self.writer.add_scalar("train/loss", loss, global_step)
-        self.writer.add_scalar("train/lr", lr, global_step)
-        self.writer.add_scalar("train/img_per_s", img_per_s, global_step)
+        for name, value in (("loss", loss), ("lr", lr), ("img_per_s", img_per_s)):
+            self.writer.add_scalar(f"train/{name}", value, global_step)
         self.last_time, self.last_step = now, step + 1
 
     def end_epoch(self, global_step, val_loss, val_acc, val_count, confusion):
@@ -812,9 +798,8 @@ class Logger:
             print(f"epoch {self.epoch + 1}/{self.epochs}  val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% "
                   f"({val_count} images)  train time {seconds:.1f}s, {100 * waiting:.0f}% waiting for data{hint}",
                   flush=True)
-            self.writer.add_scalar("train/data_wait", waiting, global_step)
-            self.writer.add_scalar("val/loss", val_loss, global_step)
-            self.writer.add_scalar("val/acc", val_acc, global_step)
+            for name, value in (("train/data_wait", waiting), ("val/loss", val_loss), ("val/acc", val_acc)):
+                self.writer.add_scalar(name, value, global_step)
             self.writer.add_image("val/confusion", confusion_image(confusion, self.classes), global_step)
             self.writer.flush()
 
@@ -862,11 +847,13 @@ def confusion_image(confusion, classes):
 
 # --------------------------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile N: torch.profiler over N steps after 3 warm-up steps. Writes trace.json (https://ui.perfetto.dev)
-    and prints the top operators; tools/profile_report.py then says where the step time went."""
+    """--profile N: torch.profiler over N training steps after 3 warm-up steps. Writes trace.json
+    (https://ui.perfetto.dev) and prints the top operators and the collectives per step (DDP's all-reduces, FSDP's
+    all-gathers and reduce-scatters), which results.json keeps: counted from the profiler's events, so nothing is
+    hooked into the training. tools/profile_report.py then says where the step time went."""
 
     def __init__(self, output_dir, steps, enabled=True):
-        self.output_dir, self.profile = output_dir, None
+        self.output_dir, self.collectives, self.profile = output_dir, None, None
         if steps and enabled:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                                   if torch.cuda.is_available() else [])
@@ -885,15 +872,17 @@ class Profiler:
             self.profile = None
 
     def report(self, profile):
-        trace = self.output_dir / "trace.json"
+        trace, cuda, events = self.output_dir / "trace.json", torch.cuda.is_available(), profile.key_averages()
         profile.export_chrome_trace(str(trace))
-        cuda = torch.cuda.is_available()
-        print(profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                           row_limit=8))
+        print(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=8))
+        steps = max(1, sum(e.count for e in events if e.key.startswith("ProfilerStep")))
+        self.collectives = {  # c10d::allreduce_, c10d::_reduce_scatter_base_, ...: whatever the backend
+            e.key[6:].strip("_").removesuffix("_base"): e.count / steps for e in events if e.key.startswith("c10d::")}
         if cuda:
             peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
         else:
             import resource
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-        print(f"profile: peak memory {peak}; trace in {trace}; where the step time went: "
-              f"python tools/profile_report.py {trace}", flush=True)
+        counts = ", ".join(f"{count:g} {name}" for name, count in sorted(self.collectives.items())) or "none"
+        print(f"profile: collectives per step: {counts}; peak memory {peak}; trace in {trace}; where the step time "
+              f"went: python tools/profile_report.py {trace}", flush=True)

@@ -1,5 +1,5 @@
 """bash run.sh bench --quick: runs end to end and writes a complete bench.json. No speed is asserted (the machine may
-be shared); the counts it reports are."""
+be shared). (The all-reduce counts of accumulation are proven by tests/test_ddp.py, from --profile.)"""
 import json
 import math
 import sys
@@ -7,7 +7,7 @@ import sys
 from conftest import cpu_env, run_job
 
 FIGURES = ["compute_limit_img_s", "single_img_s", "single_ratio", "dp_img_s", "ddp_img_s", "ddp_ratio", "amp_img_s",
-           "accum_speedup", "accum_allreduces", "first_step_s", "import_s", "loader_img_s", "classic_loader_img_s",
+           "accum_speedup", "first_step_s", "import_s", "loader_img_s", "classic_loader_img_s",
            "loader_speedup"]
 
 
@@ -28,16 +28,6 @@ def test_quick_bench_writes_every_figure(tmp_path):
     machine = result["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["gpu"] and machine["torch"]
     assert result["config"]["quick"] and result["config"]["repeats"] == 1
-    # the all-reduce count of both accumulation runs, and what DDP's buckets predict for them: one all-reduce per
-    # bucket and optimizer step (the first step: one bucket), whether a step is 4 micro-steps (no_sync) or 1
-    for key in ("accum_allreduces", "accum1_allreduces", "accum_optimizer_steps", "accum1_optimizer_steps",
-                "ddp_buckets", "ddp_buckets_first_step", "accum_allreduces_expected"):
-        assert isinstance(result[key], int) and result[key] > 0, f"{key}: {result[key]!r}"
-    assert result["ddp_buckets"] > 1 and result["accum_optimizer_steps"] > 1, result  # the counts can tell
-    for run in ("accum", "accum1"):
-        steps = result[f"{run}_optimizer_steps"]
-        expected = result["ddp_buckets_first_step"] + result["ddp_buckets"] * (steps - 1)
-        assert result[f"{run}_allreduces"] == result[f"{run}_allreduces_expected"] == expected, (run, result)
     # the markdown table on stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) >= 10 and "train_single.py" in proc.stdout and "compute limit" in proc.stdout

@@ -37,7 +37,7 @@ def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(tiny_data, tmp_
     eager = load_model_state(tmp_path / "eager" / "last.pt")
     assert_same_weights(state, eager, atol=TOL)
     torch.manual_seed(0)  # the scripts' initialisation: the head must have moved far more than the tolerance
-    initial = utils.build_model("resnet18", 3).state_dict()
+    initial = utils.torchvision_model("resnet18", 3).state_dict()
     assert (eager["fc.weight"] - initial["fc.weight"]).abs().max() > 20 * TOL
 
 

@@ -94,14 +94,18 @@ def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data
     assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
 
 
-def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, tiny_data, bare, tmp_path):
-    """2 x batch 4 x 2 micro-steps == 2 x batch 8: the same weights, and as many reduce-scatters, not twice as many.
-    With --freeze only the root module (the head) has gradients: one reduce-scatter per optimizer step."""
-    ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "4", "--accum-steps", "2",
-                "--output-dir", tmp_path / "accum"))
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bare, tmp_path):
+    """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many reduce-scatters per optimizer step,
+    not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted by --profile
+    from the profiler's events (see test_ddp.py's accumulation test); the all-gathers double (two forwards a step)."""
+    for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
+        ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum,
+                    "--print-freq", "10", "--profile", "2", "--output-dir", tmp_path / name))
     assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
-                        load_model_state(runs["dir"] / "fsdp" / "last.pt"), atol=TOL)
-    assert results(tmp_path / "accum")["reduce_scatters"] == results(runs["dir"] / "fsdp")["reduce_scatters"] == 6
+                        load_model_state(tmp_path / "plain" / "last.pt"), atol=TOL)
+    plain, accum = (results(tmp_path / name)["collectives_per_step"] for name in ("plain", "accum"))
+    assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
+    assert accum["allgather"] == 2 * plain["allgather"] > 0, (plain, accum)
 
 
 def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, tiny_data, bare,

@@ -54,9 +54,11 @@ def before(path, img_size, train, seed, epoch, index):
 
 
 def items(files, img_size, train, epochs=3, seed=0):
-    dataset = utils.ImageFiles(utils.Samples([(str(f), 0) for f in files]), img_size, train, seed)
-    keys = [(epoch, i) for epoch in range(epochs) for i in range(len(files))] if train else list(range(len(files)))
-    return [(key, dataset[key][0]) for key in keys]
+    dataset = utils.ImageFiles(utils.Samples([(str(f), 0) for f in files]), img_size, train)
+    if not train:
+        return [(i, dataset[i][0]) for i in range(len(files))]
+    items = utils.SeededItems(dataset, seed)  # as the scripts' training loader reads it
+    return [((epoch, i), items[(epoch, i)][0]) for epoch in range(epochs) for i in range(len(files))]
 
 
 def mean_difference(a, b):
@@ -101,7 +103,8 @@ def test_large_jpegs_same_box_and_a_close_image(tmp_path):
 def test_sample_stream_unchanged_across_workers(tmp_path):
     # the defaults a user gets: loader workers on; reduced decoding in the workers and in the main process
     files = [photo(tmp_path / f"c{i % 2}" / f"{i}.jpg", 640, 480, seed=i) for i in range(8)]
-    dataset = utils.ImageFiles(utils.Samples([(str(f), i % 2) for i, f in enumerate(files)]), 48, True, seed=5)
+    dataset = utils.SeededItems(utils.ImageFiles(utils.Samples([(str(f), i % 2) for i, f in enumerate(files)]), 48,
+                                                 True), seed=5)
 
     def stream(workers):
         sampler = utils.EpochSampler(torch.utils.data.RandomSampler(dataset, generator=torch.Generator()))
@@ -221,7 +224,7 @@ def test_shrink_knows_the_scripts_image_files():
 def epoch_line(tmp_path, dataset, capsys):
     """One epoch of the Logger in which the loop waited for data half of the time: the epoch line it prints."""
     log = utils.Logger(tmp_path, ["cat", "dog"], epochs=1, steps_per_epoch=2, global_batch=4, print_freq=10)
-    log.add_training_images(dataset, 0)
+    log.add_training_images(utils.SeededItems(dataset, 0), 0)  # as the scripts pass it
     capsys.readouterr()
     log.start_epoch(0)
 

@@ -97,9 +97,9 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     checkpoint's head (with --freeze only the head trains, and BatchNorm keeps its statistics) continued by SGD on
     the rest of each epoch's order (epoch_order), global_batch samples a step, as many steps as fit."""
     classes, train, _ = utils.find_images(data, 0.25)
-    dataset = utils.ImageFiles(train, img_size, train=True, seed=seed)
+    dataset = utils.SeededItems(utils.ImageFiles(train, img_size, train=True), seed)  # as the scripts read it
     checkpoint = torch.load(checkpoint_path, weights_only=True)
-    model = utils.build_model("resnet18", len(classes), freeze=True)
+    model = utils.torchvision_model("resnet18", len(classes), freeze=True)
     model.load_state_dict(checkpoint["model"])
     utils.train_mode(model, freeze=True)
     peak = lr * global_batch / 256

@@ -167,7 +167,7 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_
     _, _, val = utils.find_images(tiny_data, 0.25)
     checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
     torch.manual_seed(0)
-    checkpoint["model"] = utils.build_model("resnet18", 3).state_dict()  # the weights training started from
+    checkpoint["model"] = utils.torchvision_model("resnet18", 3).state_dict()  # the weights training started from
     torch.save(checkpoint, tmp_path / "untrained.pt")
     check_ok(run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
                         "--resume", tmp_path / "untrained.pt", "--output-dir", tmp_path / "eval"))
@@ -518,6 +518,6 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, t
     assert_same_weights({k: trained[k] for k in backbone}, backbone)
     assert trained["fc.weight"].shape == (3, 512)
     torch.manual_seed(0)  # the script's seed: the new head starts as this model's
-    initial = utils.build_model("resnet18", 3).state_dict()
+    initial = utils.torchvision_model("resnet18", 3).state_dict()
     for key in ("fc.weight", "fc.bias"):
         assert (trained[key] - initial[key]).abs().max() > 1e-3, f"{key} did not train"

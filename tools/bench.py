@@ -85,7 +85,6 @@ def probe_child(opts):
               "train_images": len(train), "classes": len(classes)}
     warmup, steps = opts.limit[2:] if cuda else opts.limit[:2]  # a GPU step takes milliseconds: many more
     result["compute_limit_img_s"] = compute_limit(torch, utils, len(classes), cuda, warmup, steps)
-    result["ddp_buckets"] = ddp_buckets(torch, utils, len(classes))
     torch.set_num_threads(1)  # the data pipelines: one loader process, one thread
     result.update(loaders(torch, torchvision, utils, root, train, opts.loader_batches))
     print(RESULT_TAG + json.dumps(result), flush=True)
@@ -95,7 +94,7 @@ def training_step(torch, utils, num_classes, device):
     """The training step alone (forward, backward, SGD step) on one batch of tensors already on the device."""
     import torch.nn.functional as F
     torch.manual_seed(0)
-    model = utils.build_model(MODEL, num_classes).to(device)
+    model = utils.torchvision_model(MODEL, num_classes).to(device)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * BATCH / 256, momentum=0.9, weight_decay=1e-4)
     images = torch.randn(BATCH, 3, IMG_SIZE, IMG_SIZE, device=device)
@@ -275,7 +274,7 @@ def photos_child(opts):
     torch.set_num_threads(1)
     folder, shrunk, repeats, seconds = opts.child_photos[0], opts.child_photos[1], int(opts.child_photos[2]), \
         float(opts.child_photos[3])
-    header_size = utils.jpeg_size
+    decode = utils.decode_image
 
     def pipeline(name, size):
         root = Path(shrunk if name == "shrunk" else folder) / size
@@ -285,9 +284,9 @@ def photos_child(opts):
                 T.Normalize(utils.MEAN, utils.STD)]))
             return len(dataset), lambda epoch, i: dataset[i]
         samples = utils.Samples([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
-        dataset = utils.ImageFiles(samples, PHOTO_IMG, train=True, seed=0)
-        # before: without the header's size every image is decoded in full, and its box drawn from the decoded size
-        utils.jpeg_size = (lambda data: None) if name == "before" else header_size
+        dataset = utils.SeededItems(utils.ImageFiles(samples, PHOTO_IMG, train=True), seed=0)
+        # before: without the scale callback every image is decoded in full, and its box drawn from the decoded size
+        utils.decode_image = (lambda path, scale=None: decode(path)) if name == "before" else decode
         return len(dataset), lambda epoch, i: dataset[(epoch, i)]
 
     def rate(name, size, epoch):
@@ -383,7 +382,7 @@ def gpu_feed_child(opts):
     warmup, steps = 4, 12
     _, train, _ = utils.find_images(folder, 0.2)
     if pipeline == "project":  # asked for (epoch, index), as the scripts' EpochSampler does
-        dataset = utils.ImageFiles(train, GPU_IMG, train=True, seed=0)
+        dataset = utils.SeededItems(utils.ImageFiles(train, GPU_IMG, train=True), seed=0)
         order = utils.EpochSampler(torch.utils.data.RandomSampler(dataset))
     else:
         dataset = torchvision.datasets.ImageFolder(folder, T.Compose([
@@ -434,38 +433,11 @@ def gpu_decode_child(opts):
     print(RESULT_TAG + json.dumps({"img_s": images / (time.perf_counter() - start), "batch": batch}), flush=True)
 
 
-def ddp_buckets(torch, utils, num_classes):
-    """Gradient buckets DDP all-reduces per step once it has rebuilt them (from the second step on), counted with a
-    communication hook on a one-process group: the model, not the device or world size, decides them."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = DDP(utils.build_model(MODEL, num_classes))
-        calls = []
-
-        def hook(state, bucket):
-            calls.append(bucket.index())
-            return default_hooks.allreduce_hook(None, bucket)
-        model.register_comm_hook(None, hook)
-        images, labels = torch.randn(2, 3, IMG_SIZE, IMG_SIZE), torch.zeros(2, dtype=torch.long)
-        counts = []
-        for _ in range(3):
-            calls.clear()
-            F.cross_entropy(model(images), labels).backward()
-            counts.append(len(calls))
-        return {"first_step": counts[0], "later_steps": counts[-1]}
-    finally:
-        dist.destroy_process_group()
-
-
 def loaders(torch, torchvision, utils, root, train, batches):
     """Images/s of the project's training data path and of the textbook one, alternated, on the same files."""
     from torch.utils.data import DataLoader, Subset
     import torchvision.transforms as T
-    project = utils.ImageFiles(train, IMG_SIZE, train=True, seed=0)
+    project = utils.SeededItems(utils.ImageFiles(train, IMG_SIZE, train=True), seed=0)
     shuffle = torch.Generator().manual_seed(0)
     project_loader = DataLoader(project, BATCH, sampler=utils.EpochSampler(
         torch.utils.data.RandomSampler(project, generator=shuffle)), num_workers=0, drop_last=True)
@@ -692,11 +664,6 @@ def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, 
            "other_cores": others, "wall_s": wall}
     if print_freq == 1:
         run["first_step_s"] = steps[0]["t"]
-    results = Path(output_dir) / "results.json"
-    if complete and results.exists():
-        data = json.loads(results.read_text())
-        run["allreduces"] = data.get("allreduces")
-        run["optimizer_steps"] = steps[-1]["first"] + steps[-1]["steps"]
     return run
 
 
@@ -709,7 +676,7 @@ def plan(opts, info, threads, nproc, tmp):
     train = info["train_images"]
     pf = opts.print_freq
 
-    def spec(name, launcher, script, procs, thread_count, accum=1, complete=False, first_only=False):
+    def spec(name, launcher, script, procs, thread_count, accum=1, first_only=False):
         per_rank = train // procs if procs > 1 else train
         steps_per_epoch = (per_rank // BATCH) // accum
         if steps_per_epoch < 1:
@@ -725,9 +692,6 @@ def plan(opts, info, threads, nproc, tmp):
         if pf > 1 and not first_only:  # whole progress lines: one line covers pf steps
             warm, measure = math.ceil(warm / pf) * pf, math.ceil(measure / pf) * pf
         epochs = max(1, math.ceil((warm + measure) / steps_per_epoch))
-        if complete:  # a run that must finish (for its results.json): whole epochs, about the steps asked for
-            epochs = max(1, round((warm + measure) / steps_per_epoch))
-            measure = max(1, epochs * steps_per_epoch - warm)
         args = ["--epochs", str(epochs), "--print-freq", "1" if first_only else str(pf)]
         if accum > 1:
             args += ["--accum-steps", str(accum)]
@@ -736,7 +700,7 @@ def plan(opts, info, threads, nproc, tmp):
             out = tmp / f"{name}-{rep}"
             cmd = launcher + [script, "--output-dir", str(out)] + args
             run = run_training(cmd, child_env(thread_count), global_batch, warm, measure, 1 if first_only else pf,
-                               complete, out, opts.timeout)
+                               False, out, opts.timeout)
             run["cmd"] = " ".join([Path(c).name if c == py else c for c in cmd]).replace(str(out), "<tmp>")
             shutil.rmtree(out, ignore_errors=True)
             return run
@@ -745,9 +709,9 @@ def plan(opts, info, threads, nproc, tmp):
     runs = {
         "single": spec("single", [py], "train_single.py", 1, threads),
         "dp": spec("dp", [py], "train_dp.py", 1, threads),
-        "ddp": spec("ddp", torchrun, "train_ddp_torchrun.py", nproc, per_proc, complete=True),
+        "ddp": spec("ddp", torchrun, "train_ddp_torchrun.py", nproc, per_proc),
         "amp": spec("amp", torchrun, "train_ddp_amp.py", nproc, per_proc),
-        "accum": spec("accum", torchrun, "train_ddp_torchrun.py", nproc, per_proc, accum=4, complete=True),
+        "accum": spec("accum", torchrun, "train_ddp_torchrun.py", nproc, per_proc, accum=4),
     }
     if pf != 1:  # time to first step needs a progress line after the first step
         runs["startup"] = spec("startup", [py], "train_single.py", 1, threads, first_only=True)
@@ -966,7 +930,6 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
     limit = median(p["compute_limit_img_s"] for p in probes)
     import_s = median(p["import_s"] for p in probes)
     first_step = median(x.get("first_step_s") for x in runs.get("startup") or runs["single"])
-    accum, ddp = runs.get("accum", []), runs["ddp"]
     per_proc = max(1, threads // nproc)
     each = {}  # ratios within each repetition, between runs that followed each other
 
@@ -984,10 +947,6 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
         "accum_ceiling": rep_ratio("accum_ceiling", "split", "img_s", "ddp", "img_s"),
         "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"],
         "accum_speedup": rep_ratio("accum_speedup", "accum", "img_s", "ddp", "img_s"),
-        "accum_allreduces": median(x.get("allreduces") for x in accum),
-        "accum_optimizer_steps": median(x.get("optimizer_steps") for x in accum),
-        "accum1_allreduces": median(x.get("allreduces") for x in ddp),
-        "accum1_optimizer_steps": median(x.get("optimizer_steps") for x in ddp),
         "import_s": import_s, "first_step_s": first_step,
         "startup_s": first_step - import_s if first_step is not None else None,
         "loader_img_s": median(p["loader_img_s"] for p in probes),
@@ -998,25 +957,12 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
     r["ddp_scaling_efficiency"] = r["ddp_ratio"] / nproc if cuda and r["ddp_ratio"] else r["ddp_ratio"]
     r["loader_speedup"] = rep_ratio("loader_speedup", "probe", "loader_img_s", "probe", "classic_loader_img_s")
     r["ratios_each_repetition"] = each
-    # DDP all-reduces one bucket per gradient bucket and optimizer step; on the very first step it has not yet
-    # rebuilt its buckets in gradient order and all-reduces everything as one.
-    buckets = info["ddp_buckets"]
-    r["ddp_buckets"], r["ddp_buckets_first_step"] = buckets["later_steps"], buckets["first_step"]
-
-    def expected(steps):
-        return None if steps is None else buckets["first_step"] + buckets["later_steps"] * (steps - 1)
-    r["accum_allreduces_expected"] = expected(r["accum_optimizer_steps"])
-    r["accum1_allreduces_expected"] = expected(r["accum1_optimizer_steps"])
     targets = dict(TARGETS)
     if cuda:  # a GPU each: the goal is N x single, 90% of it
         targets["ddp_scaling_efficiency"] = targets.pop("ddp_ratio")
     r["targets"] = {key: {"target": target, "value": r[key],
                           "met": None if r[key] is None else (r[key] <= target if key == "startup_s" else r[key] >= target)}
                     for key, target in targets.items()}
-    r["targets"]["accum_allreduces"] = {
-        "target": "buckets x optimizer steps (first step: 1)", "value": r["accum_allreduces"],
-        "met": None if r["accum_allreduces"] is None else r["accum_allreduces"] == r["accum_allreduces_expected"]
-        and r["accum1_allreduces"] == r["accum1_allreduces_expected"]}
     r["machine"] = {"cpu": cpu_model(), "cores": cores, "gpu": info["gpu"], "gpus": info["gpus"],
                     "torch": info["torch"], "torchvision": info["torchvision"], "python": platform.python_version(),
                     "platform": platform.platform()}
@@ -1104,12 +1050,6 @@ def table(r):
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     lines += [""] + [f"- {note}" for note in r["notes"] if note.startswith("accumulation not measured")]
     lines += [
-        f"- gradient all-reduces (DDP: {r['ddp_buckets']} buckets per optimizer step, "
-        f"{r['ddp_buckets_first_step']} on the first): accum 4: {fmt(r['accum_allreduces'], 0)} in "
-        f"{fmt(r['accum_optimizer_steps'], 0)} optimizer steps of 4 micro-steps (expected "
-        f"{fmt(r['accum_allreduces_expected'], 0)}); accum 1: {fmt(r['accum1_allreduces'], 0)} in "
-        f"{fmt(r['accum1_optimizer_steps'], 0)} (expected {fmt(r['accum1_allreduces_expected'], 0)}) "
-        f"{tgt('accum_allreduces')}",
         *([f"- accumulation ceiling {fmt(r['accum_ceiling'], 3)}: {n} processes' compute limit side by side, with no "
            f"all-reduce and no data loading, over ddp {n}: skipping all-reduces cannot give more than that"]
           if r.get("accum_ceiling") else []),
