@@ -37,6 +37,7 @@ def main(args):
     utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
+    torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     run_id = utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
     output_dir, resume = utils.resolve_run(args, __file__)
 
@@ -46,14 +47,11 @@ def main(args):
     if device.type == "cuda":  # the GPU of this process's local rank
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp_dtype]
-    if device.type == "cuda" and amp_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(False):
-        raise utils.UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
-    if device.type != "cuda" and amp_dtype == torch.float16:
-        raise utils.UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
+    amp_dtype = utils.autocast_dtype(args.amp_dtype, device)  # refused where the device would crawl (one line)
     store = utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
-                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
+                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -80,11 +78,14 @@ def main(args):
     with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
-    if args.sync_bn and device.type == "cuda":
+    if args.sync_bn and device.type == "cuda" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
+        print("warning: --sync-bn needs CUDA and 2+ processes (DDP refuses SyncBatchNorm on CPU); using plain "
+              "BatchNorm")
+    if device.type == "cuda":  # tensor cores read channels-last (NHWC) images: no layout change per convolution
+        model = model.to(memory_format=torch.channels_last)
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:  # the DDP wrapper, not the model in it: dynamo then splits the graph at DDP's buckets, so their
@@ -120,7 +121,7 @@ def main(args):
         output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-              f"{len(classes)} classes; output in {output_dir}\n"
+              f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
               f"{args.accum_steps} accumulation steps; "
               f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
@@ -251,7 +252,7 @@ if __name__ == "__main__":
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
-    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16: CUDA, with a GradScaler")
+    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), help="default bf16; fp16: CUDA, with a GradScaler")
     parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (slow first step)")
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130

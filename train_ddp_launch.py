@@ -37,6 +37,7 @@ def main(args):
     utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
+    torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     output_dir, resume = utils.resolve_run(args, __file__)
 
     # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
@@ -44,8 +45,8 @@ def main(args):
     if device.type == "cuda":  # the GPU of this process's local rank
         device = torch.device("cuda", args.local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # gloo: the CPU backend
-                            timeout=timedelta(seconds=args.dist_timeout))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.dist_timeout),
+                            device_id=device if device.type == "cuda" else None)  # gloo: CPU; NCCL: on this GPU
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -100,7 +101,7 @@ def main(args):
         output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-              f"{len(classes)} classes; output in {output_dir}\n"
+              f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes; "
               f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 

@@ -32,6 +32,7 @@ def main(args):
     start_time = time.time()
     utils.check_args(args)
     device = utils.get_device(args.device)
+    torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     output_dir, resume = utils.resolve_run(args, __file__)
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
@@ -84,7 +85,7 @@ def main(args):
     output_dir.mkdir(parents=True, exist_ok=True)
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-          f"{len(classes)} classes; output in {output_dir}\n"
+          f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
           f"global batch {global_batch} split over {max(gpus, 1)} device(s); "
           f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
 

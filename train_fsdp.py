@@ -44,6 +44,7 @@ def main(args):
     utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
+    torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     run_id = utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
     output_dir, resume = utils.resolve_run(args, __file__)
 
@@ -55,7 +56,8 @@ def main(args):
         torch.cuda.set_device(device)
     store = utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
-                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout))
+                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -82,11 +84,12 @@ def main(args):
     with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
-    if args.sync_bn and device.type == "cuda":
+    if args.sync_bn and device.type == "cuda" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print("warning: --sync-bn needs CUDA (DDP refuses SyncBatchNorm on CPU); using per-process BatchNorm")
+        print("warning: --sync-bn needs CUDA and 2+ processes (DDP refuses SyncBatchNorm on CPU); using plain "
+              "BatchNorm")
     # Shard each unit, then the root (what is left). Each rank keeps 1/world_size of the weights, all-gathers a unit
     # just before it runs and frees it after; gradients are reduce-scattered, each rank receiving its shard's. Unlike
     # DDP nothing is copied from rank 0: every rank built the same weights (same seed). The parameters are DTensors
@@ -132,7 +135,7 @@ def main(args):
         output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-              f"{len(classes)} classes; output in {output_dir}\n"
+              f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
               f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
               f"{args.accum_steps} accumulation steps; "
               f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")

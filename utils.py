@@ -7,7 +7,6 @@ import array
 import contextlib
 import datetime
 import gc
-import io
 import itertools
 import json
 import math
@@ -64,7 +63,8 @@ def get_args_parser(description):
     parser.add_argument("-b", "--batch-size", type=int, default=32, help="images per process and step")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate for a global batch of 256; "
                         "scaled linearly to the real global batch, with linear warm-up and cosine decay")
-    parser.add_argument("-j", "--workers", type=int, default=2, help="data loading processes per training process")
+    parser.add_argument("-j", "--workers", type=int, help="data loading processes per training process (default: "
+                        "with a GPU, the cores per process less one; on a CPU, 1)")
     parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
@@ -90,6 +90,10 @@ def check_args(args):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
+        gpus = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        args.workers = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1) if gpus else 1
     if args.workers < 0 or args.save_every < 0 or args.profile < 0:
         raise UsageError("--workers, --save-every and --profile must be 0 or more")
     if not 0 < args.val_fraction < 1:
@@ -281,17 +285,28 @@ def decode_image(path, scale=None):
     from PIL import Image
     try:
         data = Path(path).read_bytes()
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            if image.format == "JPEG" and scale and min(image.size) and (factor := scale(*image.size[::-1])) > 1:
+        if not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
+            return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                               mode=torchvision.io.ImageReadMode.RGB)
+    except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
+        factor = 1
+    try:
+        with Image.open(path) as image:
+            if factor > 1:
                 image.draft("RGB", (image.width // factor, image.height // factor))
-                return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
-            try:
-                return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                                   mode=torchvision.io.ImageReadMode.RGB)
-            except Exception:  # a format torchvision does not decode (BMP, TIFF, ...)
-                return TF.pil_to_tensor(image.convert("RGB"))
+            return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
     except Exception as error:
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
+
+
+def jpeg_size(data):
+    """(height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None. PIL's Image.open
+    reads it too, but at 30 times the cost: a tenth of the whole item at 64 px (docs/performance.md)."""
+    i = 2 if data[:2] == b"\xff\xd8" else len(data)
+    while i + 9 < len(data) and data[i] == 0xFF:
+        if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+        i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
 
 
 _STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from a list on a GPU waits for the copy
@@ -311,8 +326,8 @@ def normalize(images):
 class SeededItems(Dataset):
     """Any map-style dataset as the training loader reads it. EpochSampler asks for (epoch, index); the item is
     dataset[index], computed with torch's (CPU), Python's and numpy's global generators seeded from (seed, epoch,
-    index) and restored after. Random augmentation (torchvision transforms, random, numpy.random) is then a pure
-    function of (seed, epoch, index), whatever the loader workers, ranks or resumption. The dataset sees an index."""
+    index). Random augmentation (torchvision transforms, random, numpy.random) is then a pure function of (seed,
+    epoch, index), whatever the loader workers, ranks or resumption. The dataset sees a plain index."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -322,17 +337,14 @@ class SeededItems(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key
-        seed, saved = hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF, (
-            torch.get_rng_state(), random.getstate(), numpy.random.get_state())
+        seed, saved = hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF, torch.get_rng_state()
         torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
         random.seed(seed)
         numpy.random.seed(seed & 0xFFFF_FFFF)
         try:
             return self.dataset[index]
-        finally:
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            numpy.random.set_state(saved[2])
+        finally:  # with --workers 0 the training loop draws from it too (dropout): its draws stay its own
+            torch.set_rng_state(saved)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -464,9 +476,18 @@ def save_checkpoint(state, output_dir, is_best=False):
     if broken:  # never replace a good checkpoint with a diverged one
         raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
                          f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}")
-    atomic_write(output_dir / "last.pt", lambda f: torch.save(state, f))
+    atomic_write(output_dir / "last.pt", lambda f: torch.save(on_cpu(state), f))  # opens on any machine
     if is_best:
         atomic_write(output_dir / "best.pt", lambda f: f.write((output_dir / "last.pt").read_bytes()))
+
+
+def on_cpu(state):
+    """A checkpoint's state with every tensor copied to the CPU (a GPU's would not load where there is none)."""
+    if isinstance(state, dict):
+        return {key: on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(value) for value in state)
+    return state.cpu() if torch.is_tensor(state) else state
 
 
 def atomic_write(path, write):
@@ -572,6 +593,31 @@ def destroy_process_group():
     for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
         with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
             mesh._pg_registry.clear()
+
+
+def autocast_dtype(requested, device):
+    """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
+    oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
+    if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
+    if device.type != "cuda" and requested == "fp16":
+        raise UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
+    if device.type == "cpu" and not cpu_computes_bf16():
+        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
+                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
+        if requested is None:
+            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
+                             f"--amp-dtype bf16 to run anyway")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"warning: {slow}", flush=True)
+    return torch.float16 if requested == "fp16" else torch.bfloat16
+
+
+def cpu_computes_bf16():
+    """Whether oneDNN has bf16 kernels for this CPU (AVX512 or AMX on x86, BF16 on ARM); ONEDNN_MAX_CPU_ISA counts."""
+    with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return True
 
 
 # ---------------------------------------------------------------------------------- multi-process rungs only

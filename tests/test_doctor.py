@@ -4,7 +4,6 @@ One full run (about 10 s on a quiet 2-core machine) is shared by the tests of it
 adds a shorter run without the all-reduce. Like every CPU test, these hide the GPUs from what they start
 (conftest.cpu_env): on a GPU machine too, the doctor reports a machine without CUDA, and gpucheck dry-runs.
 """
-import ast
 import json
 import math
 import re
@@ -126,23 +125,10 @@ def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(
     assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
     text = report.read_text()
     assert skipped in text and "## bash run.sh doctor: ok" in text and "all-reduce gloo, 2 processes" in text
-    assert "plan on one GPU: doctor " in result.stdout and "(budget 420 s)" in result.stdout
+    assert "plan on one GPU, from guessed launch costs: tests/test_gpu.py " in result.stdout
+    assert "(budget 420 s)" in result.stdout
     assert "what this proves: nothing about GPUs (no CUDA GPU here" in result.stdout  # said plainly
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpucheck  # on a GPU, what one GPU cannot prove is said too
     assert any("what one GPU cannot prove: NCCL between ranks" in line for line in
                gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)]))
-
-
-def test_gpucheck_counts_what_every_gpu_test_starts(monkeypatch):
-    """gpucheck sizes its time limits from the starts counted in tests/test_gpu.py's LAUNCHES: every GPU test must
-    be counted, and on one GPU as on eight the plan leaves the bench rows at least their first row's 90 s."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpucheck
-    tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
-    tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
-    assert set(gpucheck.launches()) == tests
-    for gpus in (1, 8):
-        parts, _ = gpucheck.plan(gpus, 420)
-        assert [name for name, _ in parts] == ["doctor", "tests, first part", "GPU bench rows", "tests, the rest"]
-        assert dict(parts)["GPU bench rows"] >= 90, parts

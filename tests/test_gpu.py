@@ -11,6 +11,7 @@ counted in LAUNCHES below.
 """
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
+from conftest import (DEFAULTS, FP16_CLIP, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
                       gpu_env, load_model_state, ok, read_until, run_sh, start)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -38,6 +39,7 @@ TOL = 1e-3
 # and starts CUDA and 2 loader workers; a torchrun launch starts the launcher first, and NCCL. (0, 0): in this process.
 LAUNCHES = {"test_training_steps_never_wait_for_the_gpu": (0, 0, 1),
             "test_each_script_trains_on_cuda": (2, 6, 1),
+            "test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu": (0, 1, 1),
             "test_a_checkpoint_moves_between_gpu_and_cpu": (4, 0, 1),
             "test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run": (0, 3, 1),
             "test_the_training_loop_reads_the_gpu_only_at_progress_lines": (0, 2, 1),
@@ -112,7 +114,7 @@ def test_training_steps_never_wait_for_the_gpu():
     ("ddp", [1]),  # N before the script's arguments: run.sh's own
     ("launch", [1]),
     ("amp", [1, "--amp-dtype", "bf16"]),
-    ("amp", [1, "--amp-dtype", "fp16", "--clip-grad", "1.0"]),
+    ("amp", [1, "--amp-dtype", "fp16", "--clip-grad", FP16_CLIP]),
     ("ddp", [1, "--sync-bn"]),
     ("fsdp", [1]),
 ], ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn", "fsdp"])
@@ -128,6 +130,30 @@ def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
         scaler = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["scaler"]
         assert scaler and scaler["scale"] > 0 and (scaler["_growth_tracker"] > 0 or scaler["scale"] != 2.0 ** 16), \
             scaler
+
+
+def test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu(tiny_data, tmp_path):
+    """amp 1 on the GPU with the defaults: cudnn.benchmark is on (fixed shapes), the weights are channels_last (tensor
+    cores), the loader workers follow the cores, and last.pt holds CPU tensors only: plain torch.load, with no
+    map_location, opens it in a process that sees no GPU."""
+    out = tmp_path / "run"
+    check = ("import atexit, runpy, sys, torch\n"
+             "atexit.register(lambda: print('cudnn.benchmark', torch.backends.cudnn.benchmark, flush=True))\n"
+             "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    (tmp_path / "check.py").write_text(check)
+    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                              str(tmp_path / "check.py"), "train_ddp_amp.py", *args_for(tiny_data, out)], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=180))
+    assert "cudnn.benchmark True" in proc.stdout, proc.stdout[-2000:]
+    cores = len(os.sched_getaffinity(0))
+    assert f"loader workers per process: {max(1, cores - 1)};" in proc.stdout, proc.stdout[:2000]
+    state = torch.load(out / "last.pt", map_location="cpu", weights_only=True)["model"]
+    weight = state["conv1.weight"]
+    assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous(), weight.stride()
+    opened = subprocess.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=True)",
+                             str(out / "last.pt")], env={**env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                            text=True, timeout=120)
+    assert opened.returncode == 0, opened.stderr[-2000:]
 
 
 @pytest.mark.parametrize("first,then", [("cuda", "cpu"), ("cpu", "cuda")])

@@ -14,11 +14,12 @@ the same model (resnet18), crop size (64) and batch per process (32), on the bui
                   ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, one process, one thread
   start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step)
 On a CUDA machine (skipped on a CPU, with a line saying so), and alone with --gpu-only (bash run.sh gpucheck):
-  GPU rows        resnet50 at 224 px: the compute limit at batch 256 in fp32, TF32, bf16 autocast, bf16 +
-                  channels_last and + torch.compile; train_single.py and amp 1 end to end on ~2,000 generated
-                  ImageNet-sized JPEGs at several --workers counts (how many loader cores keep one GPU busy); the
-                  project's and the textbook pipeline feeding the same bf16 step; GPU JPEG decoding (decode_jpeg on
-                  cuda). Each row has a time limit, and rows that no longer fit --gpu-budget are skipped and named.
+  GPU rows        resnet50 at 224 px, by value: the compute limit at batch 256 in fp32, TF32, bf16 autocast, bf16
+                  + channels_last, and bf16 without cudnn.benchmark; amp 1 end to end on ~2,000 generated
+                  ImageNet-sized JPEGs with the default --workers, the project's and the textbook pipeline feeding
+                  the same bf16 step, amp 1 at fewer workers (how many loader cores keep one GPU busy),
+                  train_single.py, GPU JPEG decoding (decode_jpeg on cuda). Each row has a time limit; rows that no
+                  longer fit --gpu-budget are skipped and named; a row that crashes makes the exit status 1.
 With --photos, instead (alone, bash run.sh bench --photos):
   photo rows      decode + 224-pixel training crop of photo-like JPEGs (quality 90) at 500 x 375, 1600 x 1200 and
                   4032 x 3024, img/s on one core: the project's pipeline before (every image decoded in full) and
@@ -57,7 +58,7 @@ RESULT_TAG = "BENCH-RESULT "
 IMPORTED_TAG = "BENCH-IMPORTED"
 GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batch: fills a GPU, not an H200's memory
 GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
-GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last")
+GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last", "bf16_without_cudnn_benchmark")
 GPU_LIMIT_STEPS = (5, 20)  # warm-up (cuDNN's search; the compilation) and measured steps, whatever --quick says
 # width, height, noise: ImageNet's size, 2 MP and a 12 MP phone photo (4.2 MiB), then a smoother one (2.5 MiB)
 PHOTO_SOURCES = ((500, 375, 0.05), (1600, 1200, 0.05), (4032, 3024, 0.05), (4032, 3024, 0.025))
@@ -190,23 +191,23 @@ def gpu_step_rate(torch, mode, warmup, steps):
     import torchvision
     # fp32 means fp32: cuDNN allows TF32 for convolutions by default (torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode != "fp32"
-    torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN time its algorithms once
-    layout = torch.channels_last if mode in ("bf16_channels_last", "compile") else torch.contiguous_format
+    # fixed shapes: let cuDNN time its algorithms once (the scripts do; the last mode shows what that buys)
+    torch.backends.cudnn.benchmark = mode != "bf16_without_cudnn_benchmark"
+    layout = torch.channels_last if mode == "bf16_channels_last" else torch.contiguous_format
     torch.manual_seed(0)
     model = torchvision.models.get_model(GPU_MODEL, num_classes=1000).cuda().to(memory_format=layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     images = torch.randn(GPU_BATCH, 3, GPU_IMG, GPU_IMG, device="cuda").to(memory_format=layout)
     labels = torch.randint(0, 1000, (GPU_BATCH,), device="cuda")
-    forward = torch.compile(model) if mode == "compile" else model
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode not in ("fp32", "tf32")):
-            loss = F.cross_entropy(forward(images), labels)
+            loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     started = time.perf_counter()
-    for _ in range(warmup):  # cuDNN's algorithm search, and for "compile" the compilation itself
+    for _ in range(warmup):  # cuDNN's algorithm search
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -721,14 +722,17 @@ def plan(opts, info, threads, nproc, tmp):
 # ------------------------------------------------------------------------------------------ parent: GPU rows
 def gpu_rows(opts, cores, threads, tmp):
     """The GPU rows, the most telling first, each within its own time limit; a row that no longer fits in
-    --gpu-budget is skipped and named, so the whole part ends in time. {"skipped_all": why} without CUDA.
+    --gpu-budget is skipped and named, so the whole part ends in time. {"skipped_all": why} without CUDA. A row that
+    crashes (as opposed to not fitting) is listed under "crashed", and the bench then exits with status 1.
 
-    The limits are guesses for one H200 with 16 cores (no GPU has run this yet): a few times the expected
-    time of each row (a training run ~12 s, four precisions ~40 s), and for torch.compile a cold compile of
-    resnet50's forward and backward (~1-2 min), which is why it comes last."""
+    By value: the compute limits (what the GPU can do), the amp rung end to end with the default loader workers (the
+    share of that limit a user gets), the project's and the textbook pipeline feeding the same step, then the other
+    worker counts, train_single.py, and GPU JPEG decoding. The limits are a few times each row's expected time on one
+    H200 with 16 cores (a training run ~12 s, four precisions ~40 s). torch.compile is left out: a cold compile of
+    resnet50 takes minutes, more than the whole budget."""
     deadline = time.perf_counter() + opts.gpu_budget
     opts.limit = opts.limit or (2, 5, 5, 20)  # --limit is passed on to every child; the GPU children set their own
-    rows, skipped = [], []
+    rows, skipped, crashed = [], [], []
 
     def fits(what, limit):
         left = deadline - time.perf_counter()
@@ -736,14 +740,32 @@ def gpu_rows(opts, cores, threads, tmp):
             skipped.append(f"{what}: {left:.0f} s of --gpu-budget left, and it may take {limit} s")
         return left >= limit
 
+    def failed(what, error):  # a timeout did not fit; anything else crashed
+        first = str(error).strip().splitlines()[0]
+        (skipped if first.startswith("timed out") else crashed).append(f"{what}: {first}")
+
     def child(what, limit, *args):
         if not fits(what, limit):
             return None
         try:
             return run_child(opts, what, threads, *args, timeout=limit)[0]
-        except RuntimeError as error:  # a failure or a timeout: say so, and go on with the next row
-            skipped.append(f"{what}: {str(error).strip().splitlines()[0]}")
+        except RuntimeError as error:  # say so, and go on with the next row
+            failed(what, error)
             return None
+
+    def train(name, launcher, script, count):
+        what, img_s = f"{name} --workers {count}", None
+        if made and fits(what, 45):
+            out = tmp / f"gpu-{script}-{count}"
+            cmd = launcher + [script, "--data-path", str(jpegs), "--model", GPU_MODEL, "--img-size", str(GPU_IMG),
+                              "-b", str(GPU_E2E_BATCH), "--workers", str(count), "--epochs", "1", "--print-freq",
+                              "2", "--output-dir", str(out)]
+            try:  # 16 steps of 96 per epoch: 4 of warm-up, 12 measured, then stopped
+                img_s = run_training(cmd, child_env(threads), GPU_E2E_BATCH, 4, 12, 2, False, out, 45)["img_s"]
+            except RuntimeError as error:
+                failed(what, error)
+            shutil.rmtree(out, ignore_errors=True)
+        rows.append({"row": f"{what}, {GPU_IMG} px, batch {GPU_E2E_BATCH}", "img_s": img_s})
 
     limits = child("GPU compute limit", 90, "--child-gpu-limit", *GPU_LIMIT_MODES)
     if limits and not limits["cuda"]:
@@ -751,45 +773,32 @@ def gpu_rows(opts, cores, threads, tmp):
     for mode in GPU_LIMIT_MODES:
         rows.append({"row": f"compute limit {mode}, batch {GPU_BATCH}",
                      **(limits[mode] if limits else {"img_s": None})})
-
     jpegs = tmp / "jpegs"
     made = child("ImageNet-sized JPEGs", 45, "--child-gpu-jpegs", str(jpegs))
-    workers = [w for w in GPU_WORKERS if w <= cores] or [max(1, cores - 1)]
     py = sys.executable
-    for name, launcher, script in (("train_single.py", [py], "train_single.py"),
-                                   ("amp 1 (bf16)", [py, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc-per-node=1"], "train_ddp_amp.py")):
-        for count in workers:
-            what, img_s = f"{name} --workers {count}", None
-            if made and fits(what, 45):
-                out = tmp / f"gpu-{script}-{count}"
-                cmd = launcher + [script, "--data-path", str(jpegs), "--model", GPU_MODEL, "--img-size",
-                                  str(GPU_IMG), "-b", str(GPU_E2E_BATCH), "--workers", str(count), "--epochs", "1",
-                                  "--print-freq", "2", "--output-dir", str(out)]
-                try:  # 16 steps of 96 per epoch: 4 of warm-up, 12 measured, then stopped
-                    img_s = run_training(cmd, child_env(threads), GPU_E2E_BATCH, 4, 12, 2, False, out, 45)["img_s"]
-                except RuntimeError as error:
-                    skipped.append(f"{what}: {str(error).strip().splitlines()[-1]}")
-                shutil.rmtree(out, ignore_errors=True)
-            rows.append({"row": f"{what}, {GPU_IMG} px, batch {GPU_E2E_BATCH}", "img_s": img_s})
+    amp = ("amp 1 (bf16)", [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"],
+           "train_ddp_amp.py")
+    default = max(1, cores - 1)  # the scripts' default on one GPU: the cores less the one that trains
+    train(*amp, default)
     for pipeline in ("project", "textbook"):
         fed = made and child(f"{pipeline} pipeline feeding the bf16 step", 45, "--child-gpu-feed", pipeline,
-                             str(workers[-1]), str(jpegs))
-        rows.append({"row": f"{pipeline} pipeline, {workers[-1]} workers, feeding the bf16 step",
+                             str(default), str(jpegs))
+        rows.append({"row": f"{pipeline} pipeline, {default} workers, feeding the bf16 step",
                      "img_s": fed["img_s"] if fed else None})
+    workers = [w for w in GPU_WORKERS if w < default]
+    for count in workers:
+        train(*amp, count)
+    train("train_single.py", [py], "train_single.py", default)
     decoded = made and child("GPU JPEG decode", 30, "--child-gpu-decode", str(jpegs))
     rows.append({"row": "decode_jpeg(device=\"cuda\"), batches of 64 (500 x 375)",
                  "img_s": decoded["img_s"] if decoded else None})
-    compiled = child("torch.compile compute limit", 150, "--child-gpu-limit", "compile")
-    rows.append({"row": f"compute limit bf16_channels_last + torch.compile, batch {GPU_BATCH}",
-                 **(compiled["compile"] if compiled else {"img_s": None})})
-    return {"model": GPU_MODEL, "img_size": GPU_IMG, "jpegs": made, "workers": workers, "rows": rows,
-            "skipped": skipped, "budget_s": opts.gpu_budget}
+    return {"model": GPU_MODEL, "img_size": GPU_IMG, "jpegs": made, "workers": [default, *workers], "rows": rows,
+            "skipped": skipped, "crashed": crashed, "budget_s": opts.gpu_budget}
 
 
 def gpu_table(gpu):
     if "skipped_all" in gpu:
-        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px: precisions, torch.compile, loader cores, GPU JPEG "
+        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px: precisions, loader cores, GPU JPEG "
                 f"decode): skipped, {gpu['skipped_all']} (bash run.sh gpucheck runs them on a GPU machine)")
     lines = ["", f"# GPU rows: {gpu['model']}, {gpu['img_size']} px", "", "| run | img/s | warm-up s | max GiB |",
              "|---|---:|---:|---:|"]
@@ -797,6 +806,7 @@ def gpu_table(gpu):
         cells = [row.get(key) for key in ("img_s", "warmup_s", "max_memory_gib")]
         lines.append(f"| {row['row']} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in cells) + " |")
     lines += [f"- not measured: {why}" for why in gpu["skipped"]]
+    lines += [f"- CRASHED: {why}" for why in gpu.get("crashed", [])]
     return "\n".join(lines)
 
 
@@ -878,6 +888,10 @@ def main():
     if not opts.photos:
         print(gpu_table(results["gpu"]))
     print(f"\nbench.json in {output_dir}; {results['wall_s']:.0f}s in all")
+    if results.get("gpu", {}).get("crashed"):
+        print(f"bench: {len(results['gpu']['crashed'])} GPU row(s) crashed (listed above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def measure(opts, cores, threads, repeats, tmp):

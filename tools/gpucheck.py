@@ -1,21 +1,25 @@
 """Everything this project still has to measure on a GPU, in one command: bash run.sh gpucheck [--report PATH].
 
-Runs these parts in this order, each within a time limit sized from what it starts, all within --budget (7 min):
-  1. bash run.sh doctor: versions, the GPUs, the NCCL version, an all-reduce's latency and bus bandwidth
-  2. tests/test_gpu.py, first part: no training step waits for the GPU (set_sync_debug_mode), every rung trains
-  3. the GPU bench rows (tools/bench.py --gpu-only; the most telling first) in the time left beside part 4's limit
-  4. tests/test_gpu.py, the rest: checkpoints between GPU and CPU, a mid-epoch resume, the reads per step
-and writes one report (default: gpucheck-report.txt here). Without CUDA only the doctor runs, and the report and
-the last line say that the CUDA parts were skipped, with the plan the check would follow on one GPU.
-Exit status 1 when a part failed or ran out of time, else 0.
+On a CUDA machine, in this order, each part within a time limit, all within --budget (7 min):
+  1. two timed launches: a tiny train_single.py run and a tiny `bash run.sh ddp 1` run (what one start costs here)
+  2. tests/test_gpu.py, every test, each result printed as it ends; its limit sized from those launches and the
+     starts each test makes (its LAUNCHES table)
+  3. bash run.sh doctor: versions, the GPUs, the NCCL version, an all-reduce's latency and bus bandwidth
+  4. the GPU bench rows (tools/bench.py --gpu-only, the most telling first) in the time left
+and writes one report (default: gpucheck-report.txt here). A machine with an NVIDIA device (/dev/nvidia0 or
+nvidia-smi) where torch cannot use CUDA fails, with one line saying why. Without any GPU only the doctor runs, and the
+report and the last line say that nothing about GPUs was proven. Exit status 1 when a part failed, crashed or ran out
+of time, else 0.
 """
 import argparse
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,16 +29,16 @@ import torch
 from bench import kill_tree  # the runs start launchers whose workers live in sessions of their own
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-# The time a start costs on a GPU machine, with a margin of about 1.5x (no GPU has run this check yet; the report's
-# per-test durations are the figures to size them from): a script run in one process imports torch and torchvision
-# (~3 s), starts CUDA (~1-2 s) and 2 loader workers, trains 12 small steps, evaluates and writes 4 checkpoints
-# (~2 s); a torchrun launch starts the launcher first and NCCL too (~4 s more). pytest itself starts in ~5 s, and
-# the in-process test builds the model on CUDA and runs 16 steps (cuDNN's first calls dominate).
-SCRIPT_RUN_S, TORCHRUN_S, PYTEST_S, IN_PROCESS_S = 9, 14, 10, 15
+# Before anything is measured (and on a machine without a GPU, for the plan it shows): a script run in one process
+# ~6 s, a torchrun launch ~9.5 s (imports, CUDA, loader workers, NCCL). On a GPU the two timed launches replace these.
+GUESSED = {"script": 6.0, "torchrun": 9.5}
+MARGIN = 1.5  # a test's runs train 2 epochs where the timed launch trains 1, and the machine may be busy
+PYTEST_S, IN_PROCESS_S = 10, 15  # pytest's own start; a test in pytest's process (CUDA context, 16 steps)
 DOCTOR_S = 45  # doctor.py, and one all-reduce process per GPU beside it (2 starts, 64 MiB all-reduces)
+BENCH_MIN_S = 30  # the bench rows need at least their first (the compute limits)
 REPORT_S = 10  # writing the report, and a margin for the parts' own exits
-FIRST = ("test_training_steps_never_wait_for_the_gpu", "test_each_script_trains_on_cuda")  # part 2; the rest: 4
 
 
 def launches():
@@ -47,43 +51,64 @@ def launches():
     raise SystemExit("gpucheck: tests/test_gpu.py has no LAUNCHES table")
 
 
-def test_limit(tests, table, gpus):
-    """Seconds for pytest running `tests` on `gpus` GPUs: what they start, at the costs above."""
-    seconds = PYTEST_S
-    for name in tests:
-        script_runs, torchrun_launches, needs = table[name]
+def plan(gpus, budget, costs):
+    """[(part, limit in seconds)] after the timed launches, in the order the check runs them. costs: the seconds
+    of one script run and of one torchrun launch on this machine. The bench rows get what the others leave."""
+    tests = PYTEST_S
+    for script_runs, torchrun_launches, needs in launches().values():
         if gpus >= needs:
-            seconds += script_runs * SCRIPT_RUN_S + torchrun_launches * TORCHRUN_S
-            seconds += IN_PROCESS_S if script_runs == torchrun_launches == 0 else 0
-    return seconds
+            tests += MARGIN * (script_runs * costs["script"] + torchrun_launches * costs["torchrun"])
+            tests += IN_PROCESS_S if script_runs == torchrun_launches == 0 else 0
+    return [("tests/test_gpu.py", round(tests)), ("doctor", DOCTOR_S),
+            ("GPU bench rows", round(budget - tests - DOCTOR_S - REPORT_S))]
 
 
-def plan(gpus, budget):
-    """[(part, limit in seconds)] in the order the check runs them; the bench rows get what the others leave."""
-    table = launches()
-    rest = [name for name in table if name not in FIRST]
-    parts = [("doctor", DOCTOR_S), ("tests, first part", test_limit(FIRST, table, gpus))]
-    last = ("tests, the rest", test_limit(rest, table, gpus))
-    bench = budget - sum(limit for _, limit in parts) - last[1] - REPORT_S
-    return parts + [("GPU bench rows", bench), last], rest
+def time_launches(folder, report):
+    """One tiny run of each kind, timed: {"script": s, "torchrun": s}, and whether both trained."""
+    import utils
+    data = folder / "data"
+    utils.make_demo_images(data, per_class=12, size=32)
+    costs, ok = {}, True
+    for kind, mode in (("script", ["single"]), ("torchrun", ["ddp", "1"])):
+        cmd = ["bash", "run.sh", *mode, "--data-path", data, "--img-size", "32", "-b", "8", "--epochs", "1",
+               "--output-dir", folder / kind]
+        line, passed, costs[kind] = run_part(f"timed launch: bash run.sh {' '.join(mode)}, 1 tiny epoch", cmd, 120,
+                                             report, quiet=True)
+        print(f"gpucheck: {line}", flush=True)
+        ok = ok and passed
+    return costs, ok
 
 
-def run_part(title, cmd, limit, report):
-    """Run cmd (at most `limit` seconds), add its output to the report; its summary line for the screen."""
-    print(f"gpucheck: {title} (at most {limit:.0f} s)", flush=True)
+def run_part(title, cmd, limit, report, quiet=False):
+    """Run cmd (at most `limit` seconds), its output shown line by line as it comes (unless quiet) and added to the
+    report; (its summary line, whether it passed, its seconds)."""
+    if not quiet:
+        print(f"gpucheck: {title} (at most {limit:.0f} s)", flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHON=sys.executable), start_new_session=True)
-    try:
-        output, status = proc.communicate(timeout=limit)[0], proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        output, status = proc.communicate()[0], None
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHON=sys.executable), start_new_session=True)
+    timed_out = threading.Event()
+    timer = threading.Timer(limit, lambda: (timed_out.set(), kill_tree(proc)))
+    timer.start()
+    lines = []
+    for line in proc.stdout:  # as it comes: what a part printed before it was killed is kept
+        lines.append(line)
+        if not quiet:
+            print(f"  {line}", end="", flush=True)
+    proc.wait()
+    timer.cancel()
     seconds = time.perf_counter() - start
-    verdict = ("ok" if status == 0 else f"ran out of its {limit:.0f} s" if status is None
-               else f"failed (exit {status})")
-    report.append(f"## {title}: {verdict}, {seconds:.0f} s\n\n$ {' '.join(map(str, cmd))}\n\n{output.rstrip()}\n")
-    return f"{title}: {verdict}, {seconds:.0f} s", status == 0
+    verdict = ("ok" if proc.returncode == 0 else f"ran out of its {limit:.0f} s" if timed_out.is_set()
+               else f"failed (exit {proc.returncode})")
+    report.append(f"## {title}: {verdict}, {seconds:.0f} s\n\n$ {' '.join(map(str, cmd))}\n\n{''.join(lines).rstrip()}\n")
+    return f"{title}: {verdict}, {seconds:.0f} s", proc.returncode == 0, seconds
+
+
+def nvidia_device():
+    """Whether this machine has an NVIDIA GPU that is not hidden on purpose (CUDA_VISIBLE_DEVICES empty or -1, as
+    the CPU tests do), whatever torch thinks: its device node or its driver's tool."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    return not hidden and (Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None)
 
 
 def what_it_proves(cuda, gpus, summary):
@@ -111,33 +136,45 @@ def main():
     gpu = f"{gpus} x {torch.cuda.get_device_name(0)}" if cuda else "none"
     report = [f"# gpucheck {datetime.now().isoformat(timespec='seconds')}: torch {torch.__version__}, "
               f"CUDA {torch.version.cuda or 'none'}, GPUs: {gpu}\n"]
-    parts, rest = plan(max(gpus, 1), opts.budget)
-    planned = "plan" + ("" if cuda else " on one GPU") + ": " + ", ".join(
-        f"{name} {limit:.0f} s" for name, limit in parts) + f" (budget {opts.budget:.0f} s)"
-    print(f"gpucheck: {planned}", flush=True)
+    summary = []
+    if nvidia_device() and not cuda:
+        summary.append((f"error: this machine has an NVIDIA GPU, but torch {torch.__version__} (built for CUDA "
+                        f"{torch.version.cuda or 'none: a CPU-only build'}) cannot use it: install a torch build for "
+                        f"a CUDA version the driver supports (nvidia-smi shows the driver's); see the doctor's lines",
+                        False))
+        print(f"gpucheck: {summary[-1][0]}", flush=True)
     py = sys.executable
-    pytest = [py, "-m", "pytest", "-q", "-rs", "--durations=0", "tests/test_gpu.py", "-k"]
     with tempfile.TemporaryDirectory(prefix="gpucheck-") as tmp:
-        doctor_json = Path(tmp) / "doctor.json"
-        summary = [run_part("bash run.sh doctor", ["bash", "run.sh", "doctor", "--json", doctor_json], DOCTOR_S,
-                            report)]
+        costs, timed = GUESSED, cuda
         if cuda:
-            summary.append(run_part("tests/test_gpu.py, first part", pytest + [" or ".join(FIRST)], parts[1][1],
-                                    report))
-            # the bench gets the time left once the last part's limit is set aside
-            left = opts.budget - (time.perf_counter() - started) - parts[3][1] - REPORT_S
+            costs, timed = time_launches(Path(tmp), report)
+            summary.append((f"timed launches: a script run {costs['script']:.0f} s, a torchrun launch "
+                            f"{costs['torchrun']:.0f} s", timed))
+        parts = dict(plan(max(gpus, 1), opts.budget, costs))
+        planned = ("plan" + ("" if cuda else " on one GPU, from guessed launch costs") + ": " + ", ".join(
+            f"{name} {limit:.0f} s" for name, limit in parts.items()) + f" (budget {opts.budget:.0f} s)")
+        print(f"gpucheck: {planned}", flush=True)
+        if cuda:
+            summary.append(run_part("tests/test_gpu.py", [py, "-m", "pytest", "-v", "-rs", "--durations=0",
+                                                          "-p", "no:cacheprovider", "tests/test_gpu.py"],
+                                    parts["tests/test_gpu.py"], report)[:2])
+        doctor_json = Path(tmp) / "doctor.json"
+        summary.append(run_part("bash run.sh doctor", ["bash", "run.sh", "doctor", "--json", doctor_json], DOCTOR_S,
+                                report)[:2])
+        if cuda:
+            left = opts.budget - (time.perf_counter() - started) - REPORT_S
             bench = Path(tmp) / "bench"
-            if left >= 30:
+            if left >= BENCH_MIN_S:
                 summary.append(run_part("GPU bench rows", [py, "tools/bench.py", "--gpu-only", "--gpu-budget",
-                                                           str(int(left) - 10), "--output-dir", bench], left, report))
+                                                           str(int(left) - 10), "--output-dir", bench], left,
+                                        report)[:2])
             else:
                 summary.append((f"GPU bench rows: skipped, {left:.0f} s left of the budget", False))
-            summary.append(run_part("tests/test_gpu.py, the rest", pytest + [" or ".join(rest)], parts[3][1], report))
             if (bench / "bench.json").exists():
                 report.append("## bench.json\n\n" + (bench / "bench.json").read_text())
         else:
             summary.append(("CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine",
-                            True))
+                            not nvidia_device()))
         if doctor_json.exists():
             data = json.loads(doctor_json.read_text())
             nccl = next((c.get("version") for c in data["checks"] if c["name"] == "nccl"), None)

@@ -1,0 +1,154 @@
+"""Right on the hardware people have, proven on the CPU: what the scripts choose by default for the machine (loader
+workers, bf16 where the CPU computes it), checkpoints that open on any machine, and the GPU check that sizes its
+limits from a measured launch and fails on a crashed bench row. What needs a GPU is in tests/test_gpu.py."""
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+import utils
+from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run_job, run_sh
+
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
+
+
+def test_default_loader_workers_follow_the_cores(monkeypatch):
+    """With a GPU: the cores per process on this node, less the one that trains; on a CPU: 1 (the training
+    threads use the cores; docs/performance.md)."""
+    parser = utils.get_args_parser("test")
+    monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(utils.torch.cuda, "is_available", lambda: True)
+    for local_world_size, device, workers in ((1, None, 15), (2, None, 7), (8, "cuda", 1), (1, "cpu", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+        args = utils.check_args(parser.parse_args([] if device is None else ["--device", device]))
+        assert args.workers == workers, (local_world_size, device, args.workers)
+    monkeypatch.setattr(utils.torch.cuda, "is_available", lambda: False)
+    assert utils.check_args(parser.parse_args([])).workers == 1
+    assert utils.check_args(parser.parse_args(["--workers", "5"])).workers == 5  # given: kept
+
+
+def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
+    """Every tensor of the state (model, optimizer state nested in dicts and lists, scaler) goes through .cpu()
+    before torch.save, so that a checkpoint written on a GPU opens with plain torch.load where there is none
+    (tests/test_gpu.py proves it on a GPU)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "nested": [(torch.ones(2), {"x": torch.zeros(1)})], "epoch": 1}
+    tensors = []
+
+    def count(value):
+        if torch.is_tensor(value):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            [count(v) for v in value.values()]
+        elif isinstance(value, (list, tuple)):
+            [count(v) for v in value]
+    count(state)
+    moved = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: moved.append(self) or real_cpu(self, *a, **k))
+    utils.save_checkpoint(state, tmp_path)
+    assert len(moved) == len(tensors) > 8 and all(any(m is t for m in moved) for t in tensors)
+    monkeypatch.undo()
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert loaded["nested"][0][1]["x"].device.type == "cpu" and torch.equal(loaded["rng"], state["rng"])
+
+
+def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
+    """On a CPU whose oneDNN has no bf16 kernels (emulated here with ONEDNN_MAX_CPU_ISA=AVX2, where bf16 autocast
+    measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
+    with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
+    args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
+    refused = run_sh("amp", 1, *args, "--output-dir", tmp_path / "refused", env=job_env(**AVX2_ONLY))
+    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+    assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
+    assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "last.pt").exists()
+    asked = ok(run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", tmp_path / "asked",
+                      env=job_env(**AVX2_ONLY)))
+    assert asked.stdout.count("warning: this CPU has no bf16 arithmetic") == 1, asked.stdout[-2000:]
+    assert (tmp_path / "asked" / "results.json").exists()
+    doctor = run_job([sys.executable, "tools/doctor.py", "--no-allreduce"], env=job_env(**AVX2_ONLY), timeout=120)
+    assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
+        doctor.stdout
+    native = run_job([sys.executable, "tools/doctor.py", "--no-allreduce"], env=job_env(), timeout=120)
+    if utils.cpu_computes_bf16():  # this machine's own CPU
+        assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
+
+
+def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, tiny_data, tmp_path):
+    """tests/test_gpu.py's fp16 run clips at FP16_CLIP: the same run in bf16 on the CPU learns (better than the 6 of
+    17 that guessing one class scores) and ends elsewhere than the unclipped run, so the clip did act."""
+    out = tmp_path / "clipped"
+    ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad", FP16_CLIP,
+              "--output-dir", out))
+    assert json.loads((out / "results.json").read_text())["best_acc"] > 0.5
+    clipped, free = load_model_state(out / "last.pt"), load_model_state(default_runs / "amp" / "last.pt")
+    assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())
+
+
+def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
+    """Every GPU test is counted in tests/test_gpu.py's LAUNCHES, and the plan's limit for them grows with the
+    measured cost of a launch; on one GPU as on eight the guessed costs leave the bench rows their first 90 s."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import ast
+    import gpucheck
+    tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
+    tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    assert set(gpucheck.launches()) == tests
+    for gpus in (1, 8):
+        parts = dict(gpucheck.plan(gpus, 420, gpucheck.GUESSED))
+        assert list(parts) == ["tests/test_gpu.py", "doctor", "GPU bench rows"] and parts["GPU bench rows"] >= 90
+    quick, slow = (dict(gpucheck.plan(1, 420, {"script": s, "torchrun": 2 * s}))["tests/test_gpu.py"] for s in (5, 10))
+    runs = sum(gpucheck.MARGIN * (a + 2 * b) for a, b, needs in gpucheck.launches().values() if needs <= 1)
+    assert slow - quick == pytest.approx(5 * runs, abs=1)
+
+
+def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsys, tmp_path):
+    """An NVIDIA device on the machine (here: a stand-in nvidia-smi) and a torch that cannot use CUDA (a wheel built
+    for a newer driver): one error line and exit status 1, not "skipped"."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpucheck
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI 535.00'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden on purpose
+    monkeypatch.setattr(gpucheck.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpucheck, "run_part", lambda title, *args, **kwargs: (f"{title}: ok, 1 s", True, 1.0))
+    monkeypatch.setattr(sys, "argv", ["gpucheck.py", "--report", str(tmp_path / "report.txt")])
+    assert gpucheck.main() == 1
+    out = capsys.readouterr().out
+    assert "error: this machine has an NVIDIA GPU, but torch" in out and "cannot use it" in out, out
+    assert "what this proves: nothing about GPUs" in out
+
+
+def test_bench_exits_with_status_1_when_a_gpu_row_crashes(monkeypatch, tmp_path):
+    """A GPU row that crashes (a non-zero exit) is listed as crashed and fails the bench; one that does not fit its
+    time is only skipped. Here the GPU rows' children are stand-ins."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import bench
+
+    def child(opts, what, threads, *args, timeout=None):
+        if args[0] == "--child-gpu-limit":
+            return {"cuda": True, **{mode: {"img_s": 1.0} for mode in bench.GPU_LIMIT_MODES}}, []
+        if args[0] == "--child-gpu-jpegs":
+            return {"made": 1}, []
+        if args[0] == "--child-gpu-decode":
+            raise RuntimeError(f"timed out after {timeout}s: decode")
+        raise RuntimeError(f"the {what} failed (exit 1):\nTraceback ...")
+    monkeypatch.setattr(bench, "run_child", child)
+    monkeypatch.setattr(bench, "run_training", lambda *a, **k: {"img_s": 2.0})
+    opts = types.SimpleNamespace(gpu_budget=600, limit=None)
+    rows = bench.gpu_rows(opts, 16, 16, tmp_path)
+    assert [line.split(":")[0] for line in rows["crashed"]] == [
+        "project pipeline feeding the bf16 step", "textbook pipeline feeding the bf16 step"], rows
+    assert [line.split(":")[0] for line in rows["skipped"]] == ["GPU JPEG decode"], rows
+    monkeypatch.setattr(bench, "gpu_rows", lambda *a: rows)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--gpu-only", "--output-dir", str(tmp_path / "out")])
+    assert bench.main() == 1
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["gpu"]["crashed"]
