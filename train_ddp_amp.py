@@ -208,8 +208,8 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "train_img_per_s": log.img_per_s(),
-               "wall_s": time.time() - start_time, "collectives_per_step": profiler.collectives,  # with --profile
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)
     print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "

@@ -227,8 +227,8 @@ def main(args):
     if rank > 0:
         return
     results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr, "train_img_per_s": log.img_per_s(),
-               "wall_s": time.time() - start_time, "collectives_per_step": profiler.collectives,  # with --profile
+               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
+               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
                "bytes_per_rank": memory, "world_size": world_size,
                **utils.class_results(confusion, classes)}
     utils.write_json(output_dir / "results.json", results)

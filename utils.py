@@ -1,19 +1,18 @@
-"""Small helpers that the train_*.py scripts share unchanged, one concern each: arguments, the built-in image data
-and ResNet (what each script's build_datasets() and build_model() call, and what yours replace), the sample stream,
-checkpoints, how a run ends, logging. Those under "multi-process rungs only" serve the DDP and FSDP scripts. What
-differs between the scripts (devices, process groups, samplers, the training loop) lives in the scripts."""
+"""Small helpers the train_*.py scripts share unchanged, one concern each: arguments, the built-in image folders and
+ResNet (which each script's build_datasets() and build_model() call, and which yours replace), the sample stream,
+checkpoints, how a run ends, logging. The section "multi-process rungs only" serves the DDP and FSDP scripts."""
 import argparse
-import array
 import contextlib
 import datetime
 import gc
-import itertools
 import json
 import math
 import multiprocessing
 import os
 import random
 import re
+import resource
+import shutil
 import signal
 import sys
 import time
@@ -78,23 +77,22 @@ def get_args_parser(description):
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps (after 3 warm-up "
-                        "steps) with torch.profiler: trace.json, and the collectives per step in results.json")
+                        "steps) with torch.profiler; writes trace.json (tools/profile_report.py reads it)")
     parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
                         "validation when --data-path has no train/ and val/ folders")
     return parser
 
 
 def check_args(args):
-    """Validate the shared arguments and fill in the defaults that depend on the data."""
+    """Validate the shared arguments and fill in the defaults that depend on the data and the machine."""
     for name in ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
+        if (value := getattr(args, name, None)) is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
         gpus = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         args.workers = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1) if gpus else 1
-    if args.workers < 0 or args.save_every < 0 or args.profile < 0:
+    if min(args.workers, args.save_every, args.profile) < 0:
         raise UsageError("--workers, --save-every and --profile must be 0 or more")
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
@@ -114,7 +112,7 @@ def get_device(requested):
         device = torch.device(requested or ("cuda" if gpus else "cpu"))
     except RuntimeError:
         raise UsageError(f"--device {requested} is not a device name; use cpu, cuda or cuda:N") from None
-    if launched and device.type == "cuda" and device.index is not None:  # before any rank opens a context on GPU N
+    if device.type == "cuda" and launched and device.index is not None:  # before any rank opens a context on GPU N
         raise UsageError(f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
                          f"--device cuda, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
     if device.type == "cuda" and not gpus:
@@ -130,28 +128,21 @@ def get_device(requested):
 
 
 def resolve_run(args, script):
-    """The output folder and the checkpoint to resume from, decided without touching the disk. A run never overwrites
-    another's outputs: the default folder is new; a folder with a checkpoint or results is refused unless resumed."""
+    """(output folder, checkpoint to resume from), decided without touching the disk. A run never overwrites another's
+    outputs: the default folder is new; a folder with a checkpoint or results is refused unless resumed."""
     output_dir, resume = Path(args.output_dir) if args.output_dir else None, None
     if args.resume == "auto":
         resume = output_dir / "last.pt" if (output_dir / "last.pt").exists() else None
     elif args.resume:
-        resume = Path(args.resume)
-        if not resume.is_file():
+        if not (resume := Path(args.resume)).is_file():
             raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt from an earlier run")
-        if output_dir is None and not args.test_only:
-            output_dir = resume.parent  # continue the run where it was
-    if output_dir is None:  # a new folder
-        stem, n = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}", 1
-        output_dir = Path("runs") / stem
-        while output_dir.exists():
-            n += 1
-            output_dir = Path("runs") / f"{stem}-{n}"
+        output_dir = output_dir or (None if args.test_only else resume.parent)  # continue the run where it was
+    stem, n = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}", 1
+    while output_dir is None or n > 1 and output_dir.exists():  # a new folder
+        output_dir, n = Path("runs") / (stem if n == 1 else f"{stem}-{n}"), n + 1
     taken = [name for name in ("last.pt", "results.json") if (output_dir / name).exists()]
-    if args.test_only:
-        taken = [name for name in taken if name == "results.json"]
-    elif resume is not None:
-        taken = []
+    if args.test_only or resume is not None:
+        taken = [name for name in taken if args.test_only and name == "results.json"]
     if taken:
         raise UsageError(f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
                          f"--resume auto, or choose a new --output-dir")
@@ -166,36 +157,33 @@ def find_images(data_path, val_fraction):
     if not root.is_dir():
         raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
     if (root / "train").is_dir() and (root / "val").is_dir():
-        classes, train = scan_classes(root / "train")
-        val_classes, val = scan_classes(root / "val")
+        (classes, train), (val_classes, val) = scan_classes(root / "train"), scan_classes(root / "val")
         if unknown := sorted(set(val_classes) - set(classes)):
             raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
         index = {name: i for i, name in enumerate(classes)}
         val = [(path, index[val_classes[label]]) for path, label in val]
     else:
         classes, samples = scan_classes(root)
-        per_class = [[] for _ in classes]  # one pass: start-up stays linear in the number of files
-        for path, label in samples:
+        per_class, train, val = [[] for _ in classes], [], []
+        for path, label in samples:  # one pass: start-up stays linear in the number of files
             per_class[label].append(path)
-        train, val = [], []
         for label, files in enumerate(per_class):
             order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
             n_val = round(val_fraction * len(files))
             val += [(files[i], label) for i in sorted(order[:n_val])]
             train += [(files[i], label) for i in sorted(order[n_val:])]
-    for name, split, fix in (("validation", val, "raise"), ("training", train, "lower")):
+    for split, name, fix in ((val, "validation", "raise"), (train, "training", "lower")):
         if not split:
             raise UsageError(f"the {name} split of {root} is empty; {fix} --val-fraction or add images")
     return classes, Samples(train), Samples(val)
 
 
 def scan_classes(root):
-    """(class names, [(path, label)]) of root/<class>/**/<image>, hidden files and folders left out."""
+    """(class names, [(path, label)]) of root/<class>/**/<image file>, hidden files and folders left out."""
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
-    if not classes:
-        raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
     if len(classes) < 2:
-        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
+        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders"
+                         if classes else f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
     samples = []
     for label, name in enumerate(classes):
         files = []
@@ -211,25 +199,23 @@ def scan_classes(root):
 
 
 class Samples:
-    """A read-only list of (path, label) pairs packed into bytes and two integer arrays: a list of tuples is written
-    to by every read (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
+    """A read-only list of (path, label) pairs in two numpy arrays: a list of tuples is written to by every read
+    (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
 
-    def __init__(self, pairs):
-        paths = [os.fsencode(path) for path, _ in pairs]  # fsencode/fsdecode round-trip undecodable file names
-        self.paths, self.labels = b"".join(paths), array.array("i", [label for _, label in pairs])
-        self.offsets = array.array("q", itertools.accumulate(map(len, paths), initial=0))
+    def __init__(self, pairs):  # fsencode/fsdecode round-trip undecodable file names
+        self.paths = numpy.array([os.fsencode(path) for path, _ in pairs], dtype=bytes)
+        self.labels = numpy.array([label for _, label in pairs], dtype=numpy.int64)
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, index):
-        index = range(len(self.labels))[index]  # bounds check, and negative indices
-        return os.fsdecode(self.paths[self.offsets[index]:self.offsets[index + 1]]), self.labels[index]
+        return os.fsdecode(self.paths[index]), int(self.labels[index])
 
 
 class ImageFiles(Dataset):
-    """Image files decoded to uint8 tensors of shape (3, size, size); normalize() normalises whole batches on the
-    device. A training item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
+    """Image files as uint8 tensors (3, size, size); normalize() normalises whole batches on the device. A training
+    item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
 
     def __init__(self, samples, img_size, train):
         self.samples, self.img_size, self.train = samples, img_size, train
@@ -239,24 +225,23 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index):
         path, label = self.samples[index]
-        plan = []
+        box = []
 
         def scale(height, width):  # the full size: the crop box, then 1/8, 1/4 or 1/2 if the box stays >= the target
-            plan[:] = [width, *(random_crop_box(height, width) if self.train else (0, 0, height, width))]
+            box[:] = [width, *(random_crop_box(height, width) if self.train else (0, 0, height, width))]
             target = self.img_size if self.train else round(self.img_size * 8 / 7)
-            return next((s for s in (8, 4, 2) if min(plan[3:5]) >= s * target), 1)
+            return next((s for s in (8, 4, 2) if min(box[3:5]) >= s * target), 1)
         image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
-        if not plan:  # other images: once decoded
+        if not box:  # other images: once decoded
             scale(*image.shape[-2:])
         if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
             return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
-        # the box, mapped onto an image decoded smaller by the ratio of the widths (else 1)
-        top, left, height, width, flip, ratio = *plan[1:], image.shape[-1] / plan[0]
-        top, left, bottom, right = (round(v * ratio) for v in (top, left, top + height, left + width))
+        ratio = image.shape[-1] / box[0]  # the box, mapped onto an image decoded smaller (else 1)
+        top, left, bottom, right = (round(v * ratio) for v in (box[1], box[2], box[1] + box[3], box[2] + box[4]))
         # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
         image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right], size=[self.img_size] * 2,
                                                 mode="bilinear", antialias=True)[0]
-        return image.flip(-1) if flip else image, label
+        return image.flip(-1) if box[5] else image, label
 
     def large_photo_hint(self):
         """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""
@@ -279,9 +264,8 @@ def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 /
 
 
 def decode_image(path, scale=None):
-    """Any image file as a 3-channel uint8 tensor: grey, palette, RGBA and CMYK images are converted to RGB.
-    scale(height, width) -> 1, 2, 4 or 8, given a JPEG's size from its header: decode it at 1/scale (sides rounded
-    up) in the DCT domain, skipping most of the work (PIL's draft)."""
+    """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted). scale(height, width) -> 1,
+    2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT domain (PIL's draft), far cheaper."""
     from PIL import Image
     try:
         data = Path(path).read_bytes()
@@ -300,8 +284,8 @@ def decode_image(path, scale=None):
 
 
 def jpeg_size(data):
-    """(height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None. PIL's Image.open
-    reads it too, but at 30 times the cost: a tenth of the whole item at 64 px (docs/performance.md)."""
+    """(height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None. (PIL's Image.open
+    reads it too, at 30 times the cost: a tenth of a 64 px item.)"""
     i = 2 if data[:2] == b"\xff\xd8" else len(data)
     while i + 9 < len(data) and data[i] == 0xFF:
         if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
@@ -313,8 +297,8 @@ _STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from
 
 
 def normalize(images):
-    """A batch on the training device: uint8 images (ImageFiles') become floats normalised with the ImageNet
-    statistics; anything else (a dataset that normalises its own images) is used as it is."""
+    """A batch on the training device: uint8 images (ImageFiles') normalised with the ImageNet statistics; anything
+    else (a dataset that normalises its own images) as it is."""
     if images.dtype != torch.uint8:
         return images
     if images.device not in _STATISTICS:
@@ -324,10 +308,9 @@ def normalize(images):
 
 
 class SeededItems(Dataset):
-    """Any map-style dataset as the training loader reads it. EpochSampler asks for (epoch, index); the item is
-    dataset[index], computed with torch's (CPU), Python's and numpy's global generators seeded from (seed, epoch,
-    index). Random augmentation (torchvision transforms, random, numpy.random) is then a pure function of (seed,
-    epoch, index), whatever the loader workers, ranks or resumption. The dataset sees a plain index."""
+    """Any map-style dataset as the training loader reads it: asked for (epoch, index) by EpochSampler, it returns
+    dataset[index] drawn with torch's (CPU), Python's and numpy's generators seeded from (seed, epoch, index). So
+    augmentation is a pure function of those, whatever the loader workers, ranks or resumption."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -336,13 +319,12 @@ class SeededItems(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        epoch, index = key
-        seed, saved = hash((self.seed, epoch, index)) & 0xFFFF_FFFF_FFFF, torch.get_rng_state()
+        seed, saved = hash((self.seed, *key)) & 0xFFFF_FFFF_FFFF, torch.get_rng_state()
         torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
         random.seed(seed)
         numpy.random.seed(seed & 0xFFFF_FFFF)
         try:
-            return self.dataset[index]
+            return self.dataset[key[1]]
         finally:  # with --workers 0 the training loop draws from it too (dropout): its draws stay its own
             torch.set_rng_state(saved)
 
@@ -373,13 +355,10 @@ class EpochSampler(torch.utils.data.Sampler):
 def demo_data():
     """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
     if not DEMO_DIR.is_dir():
-        partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: no half dataset, ever
-        make_demo_images(partial)
-        try:
+        make_demo_images(partial := DEMO_DIR.with_name(f".demo-{os.getpid()}"))  # renamed into place: never half
+        with contextlib.suppress(OSError):  # (another process finished first; its images are identical)
             os.rename(partial, DEMO_DIR)
-        except OSError:  # another process finished first; its images are identical
-            import shutil
-            shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     return DEMO_DIR
 
 
@@ -405,7 +384,7 @@ def make_demo_images(folder, per_class=200, size=80):
 
 # ------------------------------------------------------------------------------------------------ model
 def torchvision_model(name, num_classes, weights=None, freeze=False):
-    """A torchvision ResNet; `weights` (see load_weights) are loaded except a classifier head of another shape.
+    """A torchvision ResNet; `weights` (see load_weights) are loaded but a classifier head of another shape;
     freeze: only the head (fc) trains."""
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if weights:
@@ -429,31 +408,29 @@ def load_weights(name, weights):
     if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
         state = load_file(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
-    enum, (family, _, short) = torchvision.models.get_model_weights(name), weights.rpartition(".")
-    if family and family != enum.__name__:
-        other = family.removesuffix("_Weights").lower()
+    enum, (family, _, short) = torchvision.models.get_model_weights(name), weights.upper().rpartition(".")
+    if family and family != enum.__name__.upper():
+        other = family.removesuffix("_WEIGHTS").lower()
         raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
                          f"{name}'s: {', '.join(enum.__members__)}")
-    if short.upper() not in enum.__members__:
+    if short not in enum.__members__:
         raise UsageError(f"--weights {weights}: no such file, and torchvision has no weights of that name for "
                          f"{name}; it has {', '.join(enum.__members__)}")
-    url = enum[short.upper()].url
     # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
+    url = enum[short].url
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
     try:
-        return enum[short.upper()].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
+        return enum[short].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
     except Exception as error:
         reason = str(error).strip().splitlines()[0].split(". ")[0][:120] if str(error).strip() else repr(error)
-        if cached.exists():
-            raise UsageError(f"--weights {weights}: {cached} is not readable ({reason}); delete it to download "
-                             f"it again") from None
-        raise UsageError(f"--weights {weights}: cannot download {url} ({reason}); on a machine without network, "
-                         f"put that file at {cached}") from None
+        raise UsageError(f"--weights {weights}: {cached} is not readable ({reason}); delete it to download it again"
+                         if cached.exists() else f"--weights {weights}: cannot download {url} ({reason}); on a "
+                         f"machine without network, put that file at {cached}") from None
 
 
 def train_mode(model, freeze):
-    """model.train(), except that with --freeze the BatchNorm layers whose parameters are frozen stay in eval mode
-    (their running statistics belong to the frozen backbone)."""
+    """model.train(), but with --freeze the BatchNorm layers whose parameters are frozen stay in eval mode (their
+    running statistics belong to the frozen backbone)."""
     model.train()
     for module in model.modules():
         if freeze and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not any(
@@ -468,26 +445,43 @@ def warmup_cosine(total_steps):
         0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
 
+def autocast_dtype(requested, device):
+    """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
+    oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
+    if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
+    if device.type != "cuda" and requested == "fp16":
+        raise UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
+    if device.type == "cpu" and not cpu_computes_bf16():
+        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
+                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
+        if requested is None:
+            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
+                             f"--amp-dtype bf16 to run anyway")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"warning: {slow}", flush=True)
+    return torch.float16 if requested == "fp16" else torch.bfloat16
+
+
+def cpu_computes_bf16():
+    """Whether oneDNN has bf16 kernels for this CPU (AVX512 or AMX on x86, BF16 on ARM); ONEDNN_MAX_CPU_ISA counts."""
+    with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(state, output_dir, is_best=False):
-    """Write last.pt (and best.pt) atomically: a kill at any moment leaves the previous file intact."""
-    broken = [name for name, value in state["model"].items() if value.is_floating_point() and
-              not torch.isfinite(value).all()]
+    """Write last.pt (and best.pt) atomically, with CPU tensors (they open on any machine): a kill at any moment
+    leaves the previous file intact."""
+    broken = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if broken:  # never replace a good checkpoint with a diverged one
         raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
                          f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}")
-    atomic_write(output_dir / "last.pt", lambda f: torch.save(on_cpu(state), f))  # opens on any machine
+    state = torch.utils._pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.cpu(), state)
+    atomic_write(output_dir / "last.pt", lambda f: torch.save(state, f))
     if is_best:
         atomic_write(output_dir / "best.pt", lambda f: f.write((output_dir / "last.pt").read_bytes()))
-
-
-def on_cpu(state):
-    """A checkpoint's state with every tensor copied to the CPU (a GPU's would not load where there is none)."""
-    if isinstance(state, dict):
-        return {key: on_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(on_cpu(value) for value in state)
-    return state.cpu() if torch.is_tensor(state) else state
 
 
 def atomic_write(path, write):
@@ -506,10 +500,9 @@ def atomic_write(path, write):
             temporary.unlink()
 
 
-def write_json(path, data):
-    text = json.dumps(data, indent=2)
-    # a list of numbers (a row of the confusion matrix) on one line, not one number per line
-    text = re.sub(r"\[\n\s+([-+\d.eE,\s]+?)\n\s+\]", lambda match: "[" + re.sub(r",\s+", ", ", match[1]) + "]", text)
+def write_json(path, data):  # a list of numbers (a row of the confusion matrix) on one line
+    text = re.sub(r"\[\n\s+([-+\d.eE,\s]+?)\n\s+\]", lambda match: "[" + re.sub(r",\s+", ", ", match[1]) + "]",
+                  json.dumps(data, indent=2))
     atomic_write(path, lambda f: f.write((text + "\n").encode()))
 
 
@@ -585,39 +578,13 @@ def destroy_process_group():
     """dist.destroy_process_group(), then let go of the group's last references so that its threads end now, not
     while the interpreter exits (FSDP: gloo's teardown then aborted a rank now and then; see docs/fsdp.md)."""
     import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
-    dist.destroy_process_group()
-    from torch.distributed.device_mesh import DeviceMesh  # meshes keep their groups, and DTensor's caches the meshes
-    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
-        with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
-            mesh._pg_registry.clear()
-
-
-def autocast_dtype(requested, device):
-    """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
-    oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
-    if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
-    if device.type != "cuda" and requested == "fp16":
-        raise UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
-    if device.type == "cpu" and not cpu_computes_bf16():
-        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
-                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
-        if requested is None:
-            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
-                             f"--amp-dtype bf16 to run anyway")
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"warning: {slow}", flush=True)
-    return torch.float16 if requested == "fp16" else torch.bfloat16
-
-
-def cpu_computes_bf16():
-    """Whether oneDNN has bf16 kernels for this CPU (AVX512 or AMX on x86, BF16 on ARM); ONEDNN_MAX_CPU_ISA counts."""
-    with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return True
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
+        dist.destroy_process_group()
+        from torch.distributed.device_mesh import DeviceMesh  # meshes keep their groups, DTensor's caches the meshes
+        for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+            with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
+                mesh._pg_registry.clear()
 
 
 # ---------------------------------------------------------------------------------- multi-process rungs only
@@ -678,10 +645,9 @@ def same_on_every_rank(classes, train_set, val_set, resume_point):
     if len(val_set) < dist.get_world_size():  # a rank with no validation image would wait in FSDP's evaluation
         raise UsageError(f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
                          f"one at least (raise --val-fraction or add images)")
-    facts = dict(classes=classes, training_images=len(train_set), validation_images=len(val_set),
-                 resume_point=resume_point)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, facts)
+    dist.all_gather_object(gathered, dict(classes=classes, training_images=len(train_set),
+                                          validation_images=len(val_set), resume_point=resume_point))
     for rank, seen in enumerate(gathered):
         for name, value in seen.items():
             if value != gathered[0][name]:
@@ -711,9 +677,8 @@ class StopOnSignal:
         which would drain a GPU's queue of work every step."""
         if step is not None and (step + 1) % self.every and step + 1 != steps_per_epoch:
             return 0
-        import torch.distributed as dist
         seen = torch.full((1,), self.seen[-1] if self.seen else 0, device=self.device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
         self.signum = int(seen.item())
         return self.signum
 
@@ -785,17 +750,14 @@ class Logger:
             self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
 
     def add_training_images(self, items, epoch, count=32):
-        """TensorBoard: a grid of training images as the model sees them (augmented), if the items are images.
-        items: the training loader's SeededItems. For the built-in image folders, also the large-photo hint."""
-        if not self.enabled:
-            return
-        picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()  # of every class
-        images = [items[(epoch, i)][0] for i in picks]
-        if all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
-            floats = images[0].is_floating_point()  # a dataset's own normalised images: each shown from min to max
-            grid = torchvision.utils.make_grid(torch.stack(images), nrow=8, normalize=floats, scale_each=True)
-            self.writer.add_image("train/augmented_images", grid, epoch)
-        if isinstance(items.dataset, ImageFiles):
+        """TensorBoard: 32 training images as the model sees them, if the items (SeededItems) are images; floats (a
+        dataset's own normalisation) each shown from its min to its max. For our image folders: the large-photo hint."""
+        picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist() if self.enabled else []
+        images = [items[(epoch, i)][0] for i in picks]  # of every class
+        if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
+            self.writer.add_image("train/augmented_images", torchvision.utils.make_grid(
+                torch.stack(images), nrow=8, normalize=images[0].is_floating_point(), scale_each=True), epoch)
+        if self.enabled and isinstance(items.dataset, ImageFiles):
             self.fix = items.dataset.large_photo_hint() or self.fix
 
     def start_epoch(self, epoch, start_step=0):
@@ -804,14 +766,12 @@ class Logger:
 
     def timed(self, batches):
         """Yields the loader's batches, adding up the time the training loop waits for them."""
-        batches = iter(batches)
-        while True:
-            waiting = time.perf_counter()
-            batch = next(batches, None)
+        batches, waiting = iter(batches), time.perf_counter()
+        while (batch := next(batches, None)) is not None:
             self.data_wait += time.perf_counter() - waiting
-            if batch is None:
-                return
             yield batch
+            waiting = time.perf_counter()
+        self.data_wait += time.perf_counter() - waiting
 
     def step(self, step, global_step, loss, lr):
         """Call after each optimizer step; `step` counts from 0 within the epoch."""
@@ -893,13 +853,12 @@ def confusion_image(confusion, classes):
 
 # --------------------------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile N: torch.profiler over N training steps after 3 warm-up steps. Writes trace.json
-    (https://ui.perfetto.dev) and prints the top operators and the collectives per step (DDP's all-reduces, FSDP's
-    all-gathers and reduce-scatters), which results.json keeps: counted from the profiler's events, so nothing is
-    hooked into the training. tools/profile_report.py then says where the step time went."""
+    """--profile N: torch.profiler over N training steps after 3 warm-up steps: trace.json (https://ui.perfetto.dev),
+    the top operators and the peak memory; tools/profile_report.py reads from the trace where the step time went and
+    the collectives per step."""
 
     def __init__(self, output_dir, steps, enabled=True):
-        self.output_dir, self.collectives, self.profile = output_dir, None, None
+        self.output_dir, self.profile = output_dir, None
         if steps and enabled:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                                   if torch.cuda.is_available() else [])
@@ -915,20 +874,14 @@ class Profiler:
     def close(self):
         if self.profile:
             self.profile.stop()
-            self.profile = None
+        self.profile = None
 
     def report(self, profile):
-        trace, cuda, events = self.output_dir / "trace.json", torch.cuda.is_available(), profile.key_averages()
+        trace, cuda = self.output_dir / "trace.json", torch.cuda.is_available()
         profile.export_chrome_trace(str(trace))
-        print(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=8))
-        steps = max(1, sum(e.count for e in events if e.key.startswith("ProfilerStep")))
-        self.collectives = {  # c10d::allreduce_, c10d::_reduce_scatter_base_, ...: whatever the backend
-            e.key[6:].strip("_").removesuffix("_base"): e.count / steps for e in events if e.key.startswith("c10d::")}
-        if cuda:
-            peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
-        else:
-            import resource
-            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-        counts = ", ".join(f"{count:g} {name}" for name, count in sorted(self.collectives.items())) or "none"
-        print(f"profile: collectives per step: {counts}; peak memory {peak}; trace in {trace}; where the step time "
-              f"went: python tools/profile_report.py {trace}", flush=True)
+        print(profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                           row_limit=8))
+        peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU" if cuda else
+                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident")
+        print(f"profile: peak memory {peak}; trace in {trace}; where the step time went, and the collectives per "
+              f"step: python tools/profile_report.py {trace}", flush=True)

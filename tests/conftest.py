@@ -3,6 +3,7 @@
 Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
 signatures stable.
 """
+import json
 import os
 import re
 import signal
@@ -173,6 +174,14 @@ def run_script(script, *args, cwd=REPO, timeout=120, env=None):
     if env is None:
         env = cpu_env(OMP_NUM_THREADS="2")
     return run_job([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, timeout=timeout)
+
+
+def collectives_per_step(trace):
+    """{collective: calls per profiled step} from a --profile run's trace.json, as tools/profile_report.py reads it."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "profile_report.py"), str(trace), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["collectives_per_step"]
 
 
 def load_model_state(path):

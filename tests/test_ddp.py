@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import utils
-from conftest import (NO_NETWORK, REPO, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
-                      kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script, run_sh)
+from conftest import (NO_NETWORK, REPO, assert_resumed_after, assert_same_weights, collectives_per_step, finish,
+                      free_port, job_env, kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script,
+                      run_sh)
 
 SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py"]
 TOL = 1e-5
@@ -125,15 +126,15 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
 
 def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_path):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many gradient all-reduces per optimizer
-    step, not twice as many. Counted by --profile from the profiler's events (nothing hooked into DDP): 6 steps an
-    epoch, and no progress line, stop vote or evaluation in the profiled steps 4 and 5."""
+    step, not twice as many. Counted from --profile's trace by tools/profile_report.py (nothing is hooked into DDP):
+    6 steps an epoch, and no progress line, stop vote or evaluation in the profiled steps 4 and 5."""
     for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
         proc = ok(torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", batch,
                            "--accum-steps", accum, "--sync-bn", "--print-freq", "10", "--profile", "2",
                            "--output-dir", tmp_path / name))
     assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
                         load_model_state(tmp_path / "plain" / "last.pt"), atol=TOL)
-    plain, accum = (results(tmp_path / name)["collectives_per_step"] for name in ("plain", "accum"))
+    plain, accum = (collectives_per_step(tmp_path / name / "trace.json") for name in ("plain", "accum"))
     assert accum["allreduce"] == plain["allreduce"] == 1, (plain, accum)  # --freeze: the head's bucket only
     # --sync-bn on CPU: one warning, then per-process BatchNorm
     assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs CUDA") == 1

@@ -35,7 +35,8 @@ def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_pat
                             text=True, timeout=60)
     assert report.returncode == 0 and report.stdout.startswith("profile: 10 steps: waiting for data "), report
     assert "% (may overlap compute" in report.stdout, report.stdout
-    assert report.stdout.rstrip().endswith(", 0.20 host reads of device values (syncs) per step"), report.stdout
+    assert ", 0.20 host reads of device values (syncs) per step, 0.00 CUDA runtime syncs per step; " \
+        "collectives per step: " in report.stdout, report.stdout  # (on a CPU: no CUDA runtime)
 
 
 @pytest.fixture

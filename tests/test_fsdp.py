@@ -13,8 +13,9 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
-                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, run_script, start)
+from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, collectives_per_step,
+                      deliver, finish, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh,
+                      run_script, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
@@ -96,14 +97,14 @@ def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data
 
 def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bare, tmp_path):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many reduce-scatters per optimizer step,
-    not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted by --profile
-    from the profiler's events (see test_ddp.py's accumulation test); the all-gathers double (two forwards a step)."""
+    not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted from the
+    trace by tools/profile_report.py (see test_ddp.py's accumulation test); the all-gathers double (two forwards)."""
     for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
         ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum,
                     "--print-freq", "10", "--profile", "2", "--output-dir", tmp_path / name))
     assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
                         load_model_state(tmp_path / "plain" / "last.pt"), atol=TOL)
-    plain, accum = (results(tmp_path / name)["collectives_per_step"] for name in ("plain", "accum"))
+    plain, accum = (collectives_per_step(tmp_path / name / "trace.json") for name in ("plain", "accum"))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
     assert accum["allgather"] == 2 * plain["allgather"] > 0, (plain, accum)
 

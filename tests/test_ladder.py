@@ -34,6 +34,15 @@ def test_the_readme_ladder_shows_the_real_sizes():
     assert {(base, script) for script, base, _ in rows if base} == set(BUDGETS)
 
 
+def test_the_front_pages_ddp_lines_link_to_where_they_are():
+    """"What DDP needs" links each line to file#L<n>: that line must hold the code shown (up to a trailing "...")."""
+    links = re.findall(r"\[`([^`]+)`\]\((train_\w+\.py)#L(\d+)\)", (REPO / "README.md").read_text())
+    assert len(links) >= 12, links
+    for code, script, line in links:
+        text = (REPO / script).read_text().splitlines()[int(line) - 1]
+        assert code.split("...")[0].rstrip(", ") in text, f"{script}#L{line} is {text.strip()!r}, not {code!r}"
+
+
 def test_the_front_page_is_short_and_every_link_resolves():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -100,7 +100,8 @@ def run_part(title, cmd, limit, report, quiet=False):
     seconds = time.perf_counter() - start
     verdict = ("ok" if proc.returncode == 0 else f"ran out of its {limit:.0f} s" if timed_out.is_set()
                else f"failed (exit {proc.returncode})")
-    report.append(f"## {title}: {verdict}, {seconds:.0f} s\n\n$ {' '.join(map(str, cmd))}\n\n{''.join(lines).rstrip()}\n")
+    report.append(f"## {title}: {verdict}, {seconds:.0f} s\n\n$ {' '.join(map(str, cmd))}\n\n"
+                  f"{''.join(lines).rstrip()}\n")
     return f"{title}: {verdict}, {seconds:.0f} s", proc.returncode == 0, seconds
 
 
