@@ -1,10 +1,11 @@
 """Train a torchvision ResNet image classifier with FSDP2 (fully_shard) under torchrun.
 
 train_ddp_torchrun.py with the model sharded, not replicated: each process holds 1/N of the parameters, gradients
-and optimizer state; sharded checkpoints resume at any number of processes. Mixed precision: train_ddp_amp.py.
-    torchrun --standalone --nproc-per-node=2 train_fsdp.py
-    torchrun --standalone --nproc-per-node=2 --max-restarts=3 train_fsdp.py --save-every 100
+and optimizer state (ZeRO-3; ZeRO-2 with --no-reshard-after-forward), or 1/(N/R) in R replicas (--hsdp R); bf16 with
+BatchNorm in fp32 (--amp-dtype bf16); sharded checkpoints resume at any number of processes and mesh shape.
+    torchrun --standalone --nproc-per-node=4 train_fsdp.py --amp-dtype bf16 --hsdp 2
 """
+import argparse
 import gc
 import os
 import shutil
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
@@ -98,10 +99,20 @@ def main(args):
     # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
     units = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))] or [
         child for child in model.children() if list(child.parameters())]
-    mesh = init_device_mesh(device.type, (world_size,))  # on the script's device (by default: the accelerator's)
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # --amp-dtype bf16: weights gathered and computed in bf16, gradients reduced in fp32. BatchNorm stays in fp32 (its
+    # statistics need the precision): each BatchNorm a unit of its own, its output cast back to bf16 for the next layer.
+    bf16 = utils.autocast_dtype(args.amp_dtype, device) if args.amp_dtype else None  # (one line where it would crawl)
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 and torch.float32)
+    batchnorms = [m for m in model.modules() if bf16 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    # --hsdp R: R replicas, each sharded over world_size / R processes (replicate across nodes, shard within one)
+    if args.hsdp and world_size % args.hsdp:
+        raise utils.UsageError(f"--hsdp {args.hsdp} does not divide the {world_size} processes into replicas")
+    shape = (args.hsdp, world_size // args.hsdp) if args.hsdp else (world_size,)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    for unit in batchnorms + units:  # ZeRO-3 frees a unit's gathered weights after its forward; ZeRO-2 keeps them
+        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=MixedPrecisionPolicy(
+            torch.float32, output_dtype=bf16) if unit in batchnorms else policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
     global_batch = args.batch_size * world_size * args.accum_steps
@@ -200,6 +211,8 @@ def main(args):
             global_step = epoch * steps_per_epoch + step + 1
             for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
                 group["lr"] = lr * schedule(global_step - 1)
+            if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
             memory = memory or utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
             optimizer.zero_grad(set_to_none=True)
@@ -276,6 +289,11 @@ if __name__ == "__main__":
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--dist-timeout", type=int, default=300,
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
+    parser.add_argument("--amp-dtype", choices=("bf16",), help="FSDP's mixed precision, BatchNorm kept in fp32")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)")
+    parser.add_argument("--hsdp", type=int, default=0, metavar="R", help="HSDP: R replicas, each sharded over N/R")
+    parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
         utils.destroy_process_group()  # and what FSDP's meshes keep of the group (one_line_errors(): other exits)

@@ -20,6 +20,9 @@ On a CUDA machine (skipped on a CPU, with a line saying so), and alone with --gp
                   the same bf16 step, amp 1 at fewer workers (how many loader cores keep one GPU busy),
                   train_single.py, GPU JPEG decoding (decode_jpeg on cuda). Each row has a time limit; rows that no
                   longer fit --gpu-budget are skipped and named; a row that crashes makes the exit status 1.
+With --fsdp, instead (alone, bash run.sh bench --fsdp):
+  FSDP rows       train_fsdp.py on the demo data in fp32, bf16 (BatchNorm in fp32), ZeRO-2 and HSDP 2 x 2 (4
+                  processes), and train_ddp_torchrun.py beside them: steps/s and the bytes rank 0 holds
 With --photos, instead (alone, bash run.sh bench --photos):
   photo rows      decode + 224-pixel training crop of photo-like JPEGs (quality 90) at 500 x 375, 1600 x 1200 and
                   4032 x 3024, img/s on one core: the project's pipeline before (every image decoded in full) and
@@ -344,6 +347,51 @@ def photo_rows(opts, cores, tmp):
     return {"rows": rows, "targets": targets, "repeats": repeats, "img_size": PHOTO_IMG, "shrink_s": shrink_s,
             "shrink_images": sum(counts), "shrink_cores": cores, "other_cores": measured["other_cores"],
             "config": {"quick": opts.quick}}
+
+
+FSDP_ROWS = (("FSDP fp32", 2, []), ("FSDP bf16 (BatchNorm fp32)", 2, ["--amp-dtype", "bf16"]),
+             ("ZeRO-2 (--no-reshard-after-forward)", 2, ["--no-reshard-after-forward"]),
+             ("HSDP 2 x 2 (--hsdp 2)", 4, ["--hsdp", "2"]), ("DDP (train_ddp_torchrun.py)", 2, None))
+
+
+def fsdp_rows(opts, cores, tmp):
+    """train_fsdp.py with each option, on the demo data, the cores split between the processes: steps/s (steady
+    state, from the progress lines) and, from results.json, the bytes of parameters, gradients and optimizer state
+    rank 0 holds. Repetitions interleaved, medians. On a CPU these show what the communication costs, no more."""
+    repeats, epochs = opts.repeats or (1 if opts.quick else 3), 1
+    runs = {name: [] for name, _, _ in FSDP_ROWS}
+    for rep in range(repeats):
+        for name, nproc, flags in FSDP_ROWS:
+            out = tmp / f"fsdp-{len(runs[name])}-{rep}-{nproc}"
+            script = "train_ddp_torchrun.py" if flags is None else "train_fsdp.py"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+                   "--epochs", str(epochs), "-b", "16", "--print-freq", "1", "--output-dir", str(out), *(flags or [])]
+            global_batch = 16 * nproc
+            steps = (800 // global_batch) * epochs  # the demo's 800 training images
+            run = run_training(cmd, child_env(max(1, cores // nproc)), global_batch, 2, steps - 2, 1, True, out,
+                               opts.timeout)
+            result = json.loads((out / "results.json").read_text())
+            runs[name].append({"steps_s": run["img_s"] / global_batch, "bytes_per_rank": result.get("bytes_per_rank"),
+                               "other_cores": run["other_cores"]})
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"bench: fsdp repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
+    return [{"row": name, "processes": nproc, "steps_s": median(r["steps_s"] for r in runs[name]),
+             "bytes_per_rank": runs[name][-1]["bytes_per_rank"], "other_cores": median(r["other_cores"] for r in
+                                                                                        runs[name])}
+            for name, nproc, _ in FSDP_ROWS]
+
+
+def fsdp_table(rows):
+    def fmt(x, digits=1):
+        return "-" if x is None else f"{x:.{digits}f}"
+    lines = ["| run | processes | steps/s | params + grads + optimizer per rank, MiB | other load |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        held = row["bytes_per_rank"]
+        mib = "-" if not held else " + ".join(f"{held[k] / 2**20:.1f}" for k in ("params", "grads", "optimizer"))
+        lines.append(f"| {row['row']} | {row['processes']} | {fmt(row['steps_s'], 2)} | {mib} | "
+                     f"{fmt(row['other_cores'], 2)} |")
+    return "\n".join(lines)
 
 
 def photo_table(photos):
@@ -829,6 +877,8 @@ def main():
                         "under 0.15 cores (each run's 'other load' is reported either way)")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (bash run.sh gpucheck)")
     parser.add_argument("--gpu-budget", type=int, default=420, help="seconds for all the GPU rows together")
+    parser.add_argument("--fsdp", action="store_true", help="only the FSDP rows: fp32, bf16, ZeRO-2, HSDP 2 x 2 "
+                        "and DDP, steps/s and bytes per rank")
     parser.add_argument("--photos", action="store_true", help="only the photo rows: our data pipeline before and "
                         "after reduced JPEG decoding, the textbook one and a shrunk copy, at 3 photo sizes")
     # the probe children (internal)
@@ -867,6 +917,11 @@ def main():
     try:
         if opts.photos:
             results = {"machine": {"cpu": cpu_model(), "cores": cores}, "photos": photo_rows(opts, cores, tmp)}
+        elif opts.fsdp:
+            utils_demo = subprocess.run([sys.executable, "-c", "import utils; utils.demo_data()"], cwd=REPO)
+            if utils_demo.returncode:
+                raise SystemExit("bench: the demo data could not be made")
+            results = {"machine": {"cpu": cpu_model(), "cores": cores}, "fsdp": fsdp_rows(opts, cores, tmp)}
         else:
             results = {"machine": {}} if opts.gpu_only else measure(opts, cores, threads, repeats, tmp)
             # on a CPU the probe already said there is no GPU: no process started to find out again
@@ -883,9 +938,11 @@ def main():
     (output_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     if opts.photos:
         print(photo_table(results["photos"]))
+    elif opts.fsdp:
+        print(fsdp_table(results["fsdp"]))
     elif not opts.gpu_only:
         print(table(results))
-    if not opts.photos:
+    if not (opts.photos or opts.fsdp):
         print(gpu_table(results["gpu"]))
     print(f"\nbench.json in {output_dir}; {results['wall_s']:.0f}s in all")
     if results.get("gpu", {}).get("crashed"):
