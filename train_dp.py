@@ -42,9 +42,11 @@ def main(args):
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
                               sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
                               pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
+    # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
+    # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             persistent_workers=args.workers > 0)
+    utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)
     epoch_samples = len(train_sampler)  # one epoch's samples
     if steps_per_epoch == 0 and not args.test_only:

@@ -71,9 +71,11 @@ def main(args):
                               worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
-    # Persistent: its workers are forked once, not every epoch (a fork beside running threads can hang the child)
+    # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
+    # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
     val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
                             persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
+    utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:

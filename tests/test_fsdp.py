@@ -261,6 +261,9 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
     hsdp = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--output-dir", tmp_path / "whole", timeout=200))
     assert "global batch 16 = 4 per process x 4 processes" in hsdp.stdout
+    sharded = results(tmp_path / "whole")["bytes_per_rank"]["params"]  # over 2 processes, not 4
+    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
+                                    rel=0.01), sharded
     whole = load_model_state(tmp_path / "whole" / "last.pt")
     for reference in ("single", "fsdp"):
         assert_same_weights(whole, load_model_state(runs["dir"] / reference / "last.pt"), atol=TOL)

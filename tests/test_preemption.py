@@ -47,14 +47,18 @@ def test_stop_signal_saves_and_resume_ends_with_uninterrupted_weights(default_ru
 
 
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
-    """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated."""
+    """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated.
+    (Each rank forks its validation workers at the start, before its training workers: the lower pids. They read
+    nothing while the training runs, and read the index queue and the image files as soon as evaluation starts.)"""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines, landed = start(*args), [], False
     if read_until(job, lines, "epoch 1/2  step 3/3"):
-        training_workers = {pid: len(children(pid)) for pid in ranks(job).values()}  # 2 each
+        workers = [sorted(children(pid)) for pid in ranks(job).values()]  # validation's, then training's
+        validation = [pids[0] for pids in workers if len(pids) == 2]  # the default: one worker each
+        before = {pid: read_chars(pid) for pid in validation}
         deadline = time.time() + 60
-        while not landed and time.time() < deadline:  # evaluation starts 2 more: signal while they run
-            landed = any(len(children(pid)) > n for pid, n in training_workers.items())
+        while not landed and time.time() < deadline:  # signal while evaluation runs
+            landed = any(read_chars(pid) > chars for pid, chars in before.items())
             time.sleep(0.002)  # a short nap, not a spin: the job needs both cores
         deliver(job, "every process", signal.SIGTERM)
     output = finish(job, lines, timeout=60)
@@ -72,6 +76,15 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
     mine, reference = (torch.load(folder / "best.pt", weights_only=True) for folder in (tmp_path / "run",
                                                                                       default_runs / "ddp"))
     assert mine["best_acc"] == reference["best_acc"] and mine["epoch"] == reference["epoch"]
+
+
+def read_chars(pid):
+    """Bytes the process has read (files and pipes), from /proc/PID/io; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):

@@ -88,8 +88,15 @@ def human_bytes(n):
 
 # --------------------------------------------------------------------------------------------- the checks
 def check_versions(report, torch):
-    report.add("python", "ok", f"Python {platform.python_version()} ({sys.executable})",
-               version=platform.python_version())
+    fixed = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # python/cpython#112275, September 2024
+    if sys.version_info[2] < fixed.get(sys.version_info[:2], 0):
+        report.add("python", "warn", f"Python {platform.python_version()} ({sys.executable}) can deadlock a forked "
+                   f"child (python/cpython#112275)", "a DDP comm hook written in Python can then hang a loader "
+                   f"worker at its fork: upgrade Python to {'.'.join(map(str, sys.version_info[:2]))}."
+                   f"{fixed[sys.version_info[:2]]}+ or 3.12 (docs/robustness.md)", version=platform.python_version())
+    else:
+        report.add("python", "ok", f"Python {platform.python_version()} ({sys.executable})",
+                   version=platform.python_version())
 
     build = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     if torch.backends.cudnn.is_available():
