@@ -315,3 +315,27 @@ def test_photo_bench_rows_quick(tmp_path):
     # the one figure with a margin wide enough for a loaded machine: 512-pixel copies decode ~70x faster than 12 MP
     assert photos["rows"][-1]["shrunk_vs_before"] > 5, photos["rows"][-1]
     assert "| 4032 x 3024" in proc.stdout and "shrunk / before" in proc.stdout
+
+
+def test_training_image_grid_for_any_dataset(tmp_path):
+    """TensorBoard's grid of training images shows a dataset's own float images (each stretched from its minimum to
+    its maximum) and is left out, with no error, when the items are not images (a user's vectors)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Items(torch.utils.data.Dataset):
+        def __init__(self, shape):
+            self.shape = shape
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, index):
+            return torch.randn(self.shape), index % 2
+    for name, shape, shown in (("floats", (3, 16, 16), 1), ("vectors", (10,), 0)):
+        log = utils.Logger(tmp_path / name, ["a", "b"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
+        log.add_training_images(utils.SeededItems(Items(shape), 0), 0)
+        log.close()
+        accumulator = EventAccumulator(str(tmp_path / name), size_guidance={"images": 0})
+        accumulator.Reload()
+        images = accumulator.Tags()["images"]
+        assert len(images) == shown and (not shown or images == ["train/augmented_images"]), (name, images)
