@@ -731,8 +731,9 @@ def start_workers(loader):
     run, a signal would end a worker). A held signal arrives right after. A too small /dev/shm (a pod's) is refused."""
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
         batch = loader.dataset[key][0].nbytes * loader.batch_size * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if batch * (loader.num_workers * loader.prefetch_factor + 1) > (shm := shutil.disk_usage("/dev/shm").total):
-            fits = max(0, (shm // batch - 1) // loader.prefetch_factor)  # measured: each worker holds prefetch_factor
+        held = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1  # measured: prefetched, and 1 more
+        if batch * held > (shm := shutil.disk_usage("/dev/shm").total):
+            fits = max(0, (shm // batch - 1) // loader.prefetch_factor)
             raise UsageError(f"/dev/shm holds {shm >> 20} MiB, too little for the batches of {loader.num_workers} "
                              f"loader workers per process: mount a memory-backed volume there (Kubernetes: an emptyDir "
                              f"with medium: Memory, see examples/; docker run --shm-size=8g), or use --workers {fits}")
