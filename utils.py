@@ -630,7 +630,7 @@ def restart_safe_store(timeout):
     it) each attempt gets a fresh store: None. Else a key prefix per restart: right on one node only, since each
     node's agent counts its own restarts."""
     import torch.distributed as dist
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no torchrun: rank 0 will host the store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 will host the store (init_process_group)
         wait_for_master(timeout)
         return None
     if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
@@ -642,7 +642,8 @@ def restart_safe_store(timeout):
 
 
 def wait_for_master(timeout):
-    """No torchrun (plain python, srun): ranks > 0 wait for rank 0's store; if it never answers, one line says why."""
+    """Where rank 0 hosts the store (plain python, srun, torchrun with a fresh store per attempt) the others wait for
+    it; if it never answers, one line says why (init_process_group would end with dozens of C++ lines)."""
     address, deadline = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), time.monotonic() + timeout
     while int(os.environ["RANK"]) > 0:
         try:
@@ -652,7 +653,7 @@ def wait_for_master(timeout):
                 raise UsageError(f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
                                  f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
                                  f"both, and that rank 0 (the master pod, the first task) runs") from None
-            time.sleep(1)
+            time.sleep(0.25)
 
 
 @contextlib.contextmanager
