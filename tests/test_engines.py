@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, job_env, kill_job,
                       load_model_state, popen, ranks, run_job)
 from test_hosts import in_host, ip, run_nodes
+from test_scale import read_lines
 
 # A collective stuck between the pods ends within 60 s with a line that names it
 BOUNDED = ["--dist-timeout", "60"]
@@ -164,10 +164,7 @@ def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(p
     jobs = [popen(pod(pods, which, f"resnet-elastic-worker-{n}", elastic_env(), command), timeout=300,
                   env={**job_env(), "LOGLEVEL": "INFO"}) for n, which in enumerate("ab")]
     outputs = [[], []]
-    readers = [threading.Thread(target=lambda job=job, out=out: out.extend(job.stdout), daemon=True)
-               for job, out in zip(jobs, outputs)]
-    for reader in readers:
-        reader.start()
+    readers = [read_lines(job, out) for job, out in zip(jobs, outputs)]
     try:
         deadline = time.time() + 180
         while not any("epoch 1/2  step 2/3" in line for out in outputs for line in out):
