@@ -14,6 +14,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -539,18 +540,18 @@ def one_line_errors():
     the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
     130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1.
     Whatever the ending, loader workers are ended first: they ignore SIGTERM, and Python's exit would wait for them."""
-    local_rank_0, status = int(os.environ.get("LOCAL_RANK", 0)) == 0, 1
+    status, local_rank_0 = 1, lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0  # read late: srun's is set in main
     try:
         yield
         return
     except UsageError as error:
-        if local_rank_0 or isinstance(error, BadImageError):
+        if local_rank_0() or isinstance(error, BadImageError):
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:  # give local rank 0 time to print it: the launcher stops every rank once one of them has failed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(10)
     except KeyboardInterrupt:
-        if local_rank_0:
+        if local_rank_0():
             print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
                   "folder>", file=sys.stderr)
         status = 130
@@ -562,7 +563,7 @@ def one_line_errors():
             print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line})",
                   file=sys.stderr)
         elif isinstance(error, getattr(torch.distributed, "DistError", ())) and TIMED_OUT.search(str(error)):
-            if local_rank_0:
+            if local_rank_0():
                 print(f"error: the other processes did not all answer within --dist-timeout ({first_line}): one is "
                       f"missing or stuck; start every process (every node), or raise --dist-timeout", file=sys.stderr)
         else:
@@ -589,9 +590,22 @@ def destroy_process_group():
 
 # ---------------------------------------------------------------------------------- multi-process rungs only
 def require_launcher(script):
-    if "RANK" not in os.environ:
-        name = Path(script).name
-        mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
+    """Ranks from a launcher, or filled in as torchrun would from an engine that starts each process itself: a Kubeflow
+    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md)."""
+    env, name = os.environ, Path(script).name
+    mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
+    if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
+        if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
+            raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
+                             f"process per pod: start the pod's command with torchrun (it reads PET_*)")
+        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and mode != "launch":  # srun: a task per process
+        host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
+                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],  # (the first node's)
+                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),  # the step's first node, unless given
+                   MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
+    if "RANK" not in env:
         launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
         raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
                          f"[N], or {launcher} --nproc-per-node=N {name}")
@@ -616,7 +630,8 @@ def restart_safe_store(timeout):
     it) each attempt gets a fresh store: None. Else a key prefix per restart: right on one node only, since each
     node's agent counts its own restarts."""
     import torch.distributed as dist
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 will host the store (init_process_group)
+        wait_for_master(timeout)
         return None
     if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
         raise UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
@@ -624,6 +639,21 @@ def restart_safe_store(timeout):
     return dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=datetime.timedelta(seconds=timeout)))
+
+
+def wait_for_master(timeout):
+    """Where rank 0 hosts the store (plain python, srun, torchrun with a fresh store per attempt) the others wait for
+    it; if it never answers, one line says why (init_process_group would end with dozens of C++ lines)."""
+    address, deadline = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), time.monotonic() + timeout
+    while int(os.environ["RANK"]) > 0:
+        try:
+            return socket.create_connection(address, timeout=5).close()
+        except OSError as error:  # not resolved, refused or unreachable yet: normal while rank 0 starts
+            if time.monotonic() > deadline:
+                raise UsageError(f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
+                                 f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
+                                 f"both, and that rank 0 (the master pod, the first task) runs") from None
+            time.sleep(0.25)
 
 
 @contextlib.contextmanager
@@ -699,7 +729,15 @@ def ignore_stop_signals(worker_id):
 
 def start_workers(loader):
     """iter(loader), with the stop signals held back while it forks the workers (before ignore_stop_signals() has
-    run, a signal would end a worker). A held signal arrives right after."""
+    run, a signal would end a worker). A held signal arrives right after. A too small /dev/shm (a pod's) is refused."""
+    if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
+        batch = loader.dataset[key][0].nbytes * loader.batch_size * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        held = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1  # measured: prefetched, and 1 more
+        if batch * held > (shm := shutil.disk_usage("/dev/shm").total):
+            fits = max(0, (shm // batch - 1) // loader.prefetch_factor)
+            raise UsageError(f"/dev/shm holds {shm >> 20} MiB, too little for the batches of {loader.num_workers} "
+                             f"loader workers per process: mount a memory-backed volume there (Kubernetes: an emptyDir "
+                             f"with medium: Memory, see examples/; docker run --shm-size=8g), or use --workers {fits}")
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)

@@ -312,6 +312,41 @@ def check_bf16(report, torch):
                    "(bash run.sh ddp); train_ddp_amp.py refuses unless --amp-dtype bf16 is given", native=False)
 
 
+def check_engine(report):
+    """The cluster engine this process runs under, from the variables each one sets, and how the scripts start
+    there (docs/running.md#engines)."""
+    env = os.environ.get
+    shared_store = env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+    status, fix = "ok", None
+    if env("PET_RDZV_ENDPOINT"):  # training-operator's elasticPolicy
+        engine = (f"Kubeflow PyTorchJob, elastic (c10d rendezvous at {env('PET_RDZV_ENDPOINT')}, PET_NNODES "
+                  f"{env('PET_NNODES')}, PET_MAX_RESTARTS {env('PET_MAX_RESTARTS', '0')}): start torchrun, which "
+                  f"reads PET_*")
+        if shared_store and env("PET_MAX_RESTARTS", "0") != "0" and env("PET_NNODES", "1").split(":")[-1] != "1":
+            status, fix = "fail", ("restarts on several pods need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the "
+                                   "scripts refuse without it): add it to the container's env (examples/)")
+    elif env("PET_MASTER_ADDR") or (env("MASTER_ADDR") and env("RANK") and env("KUBERNETES_SERVICE_HOST")):
+        kind = "PyTorchJob" if env("MASTER_ADDR") else "TrainJob (v2)"  # a TrainJob sets PET_* only
+        engine = (f"Kubeflow {kind} (master {env('PET_MASTER_ADDR') or env('MASTER_ADDR')}:"
+                  f"{env('PET_MASTER_PORT') or env('MASTER_PORT')}, PET_NNODES {env('PET_NNODES')}, "
+                  f"PET_NPROC_PER_NODE {env('PET_NPROC_PER_NODE')}): start torchrun, which reads PET_*"
+                  + ("; or plain python, one process per pod" if kind == "PyTorchJob" else ""))
+    elif env("TORCHX_RANK0_HOST") or any(k.startswith("VC_") and k.endswith("_HOSTS") for k in os.environ):
+        engine = ("TorchX (dist.ddp runs torchrun); a retry restarts the job from scratch unless the command has "
+                  "--resume auto and an --output-dir on a shared volume")
+    elif env("SLURM_STEP_NUM_TASKS"):
+        engine = (f"SLURM job {env('SLURM_JOB_ID')}, srun task {env('SLURM_PROCID')} of "
+                  f"{env('SLURM_STEP_NUM_TASKS')} on {env('SLURM_STEP_NODELIST')}: `srun python` needs no launcher "
+                  f"(the scripts read SLURM_*); `srun bash run.sh` runs torchrun, one task per node")
+    elif env("SLURM_JOB_ID"):
+        engine = f"SLURM job {env('SLURM_JOB_ID')}, outside a job step: start the processes with srun"
+    elif env("KUBERNETES_SERVICE_HOST"):
+        engine = "a Kubernetes pod without Kubeflow's or TorchX's variables: run torchrun or run.sh in it"
+    else:
+        engine = "none found (no PET_*, SLURM_* or KUBERNETES_SERVICE_HOST): run.sh or a launcher on each machine"
+    report.add("engine", status, f"engine: {engine}", fix)
+
+
 def check_shm(report):
     try:
         st = os.statvfs("/dev/shm")
@@ -321,9 +356,10 @@ def check_shm(report):
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     message = f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)"
     status, fix = "ok", None
-    if total < SHM_MIN:
-        status, fix = "warn", ("DataLoader workers may crash (bus error / insufficient shared memory): "
-                               "docker run --ipc=host or --shm-size=8g (or train with --workers 0)")
+    if total < SHM_MIN:  # the scripts refuse, in one line, loader workers whose batches would not fit
+        status, fix = "warn", ("DataLoader workers may run out of shared memory: in Kubernetes mount an emptyDir "
+                               "with medium: Memory at /dev/shm (examples/), docker run --ipc=host or --shm-size=8g "
+                               "(or train with fewer --workers)")
     elif free < SHM_MIN:
         status, fix = "warn", ("nearly full: DataLoader workers may crash; remove stale files there "
                                "(leftovers of killed runs)")
@@ -633,8 +669,8 @@ def main(argv=None):
                                              ("gpus", check_gpus, torch, available, count, why),
                                              ("backends", check_backends), ("bf16", check_bf16, torch),
                                              ("environment", check_environment, torch, available, count),
-                                             ("shm", check_shm), ("network", check_network),
-                                             ("port", check_port)):
+                                             ("engine", check_engine), ("shm", check_shm),
+                                             ("network", check_network), ("port", check_port)):
                 try:
                     check(report, *check_args)
                 except Exception as error:  # a doctor that crashes tells nobody anything: report it and go on
