@@ -731,7 +731,8 @@ def start_workers(loader):
     """iter(loader), with the stop signals held back while it forks the workers (before ignore_stop_signals() has
     run, a signal would end a worker). A held signal arrives right after. A too small /dev/shm (a pod's) is refused."""
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
-        batch = loader.dataset[key][0].nbytes * loader.batch_size * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        batch = getattr(loader.dataset[key][0], "nbytes", 0) * loader.batch_size  # (a tensor's; else no check)
+        batch *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # every process of the node shares /dev/shm
         held = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1  # measured: prefetched, and 1 more
         if batch * held > (shm := shutil.disk_usage("/dev/shm").total):
             fits = max(0, (shm // batch - 1) // loader.prefetch_factor)
