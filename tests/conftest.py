@@ -87,6 +87,9 @@ def pytest_configure(config):
     # torchvision 0.29 deprecates its image codecs (utils.py uses them, with PIL as the fallback); the scripts
     # do not show the warning, and the test summary need not either
     config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding:DeprecationWarning")
+    # bash run.sh test quick runs only these (pytest -m quick): each rung trains, DDP equals one device, a kill and
+    # resume is bitwise, bad input gives one line, a stop signal saves and resumes
+    config.addinivalue_line("markers", "quick: a headline proof, run by `bash run.sh test quick` too")
 
 
 def make_dataset(root, counts, size=32, ext=".jpg"):
