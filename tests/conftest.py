@@ -3,6 +3,7 @@
 Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
 signatures stable.
 """
+import json
 import os
 import re
 import signal
@@ -511,3 +512,84 @@ def read_lines_until(job, text, timeout):
         watchdog.cancel()
     raise AssertionError(f"{text!r} did not come (the output ended, or {timeout} s passed):\n"
                          + "".join(lines)[-3000:])
+
+
+# ------------------------------------------------------------------------- many short runs of one script
+# A fresh interpreter spends 2-3 s of CPU importing torch, torchvision and utils before a script reads its first
+# argument. For many short runs of one script (bad input that ends at once), a process that has imported them once
+# forks a child for each run, and the child runs the script as `python SCRIPT ARGS` would: as __main__, with that
+# argv, sys.path[0] and environment, its own stdout and stderr, and the interpreter's ending (the exit status of a
+# SystemExit, or the traceback and 1; then threads joined and atexit handlers run, as at exit).
+FORK_SERVER = r"""
+import atexit, json, os, runpy, signal, sys, threading, time
+script, cases_path, results_path, parallel, timeout = sys.argv[1:6]
+sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+import torch, torchvision, utils  # once here, not once per case
+assert len(os.listdir("/proc/self/task")) == 1, "threads running before fork"  # a fork must not copy a thread pool
+cases = json.load(open(cases_path))
+
+
+def run_case(args, out, err):
+    status = 1
+    try:
+        os.setpgid(0, 0)  # the case and its loader workers: one group, killed together at the time limit
+        for fd, path in ((0, os.devnull), (1, out), (2, err)):
+            os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = [script, *args]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as ending:  # as the interpreter ends on one
+            if ending.code is None or isinstance(ending.code, int):
+                status = ending.code or 0
+            else:
+                print(ending.code, file=sys.stderr)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+        threading._shutdown()  # the interpreter's exit: non-daemon threads, then atexit handlers
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os._exit(status)
+
+
+statuses, running, todo = {}, {}, list(range(len(cases)))
+while todo or running:
+    while todo and len(running) < int(parallel):
+        i = todo.pop(0)
+        pid = os.fork()
+        if pid == 0:
+            run_case(cases[i]["args"], cases[i]["stdout"], cases[i]["stderr"])
+        running[pid] = (i, time.monotonic())
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+        statuses[running.pop(pid)[0]] = os.waitstatus_to_exitcode(status)
+        continue
+    for pid, (i, started) in list(running.items()):
+        if time.monotonic() - started > float(timeout):
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            statuses[running.pop(pid)[0]] = None  # still running at its time limit
+    time.sleep(0.02)
+json.dump(statuses, open(results_path, "w"))
+"""
+
+
+def run_forked(script, cases, *, env, folder, parallel=3, timeout=60):
+    """`python SCRIPT ARGS` for each ARGS in cases, `parallel` at a time, each run forked from one process that
+    imported torch, torchvision and utils once (utils from the script's folder). Returns one CompletedProcess per
+    case (exit status, stdout, stderr), or None for a case still running after `timeout` seconds (then killed)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = [{"args": [str(a) for a in args], "stdout": str(folder / f"{i}.out"), "stderr": str(folder / f"{i}.err")}
+             for i, args in enumerate(cases)]
+    (folder / "cases.json").write_text(json.dumps(specs))
+    server = run_job([sys.executable, "-c", FORK_SERVER, str(script), folder / "cases.json", folder / "statuses.json",
+                      parallel, timeout], env=env, timeout=60 + timeout * (len(cases) // parallel + 1))
+    assert server.returncode == 0, server.stderr[-3000:]
+    statuses = json.loads((folder / "statuses.json").read_text())
+    return [None if statuses[str(i)] is None else
+            subprocess.CompletedProcess([script, *spec["args"]], statuses[str(i)], Path(spec["stdout"]).read_text(),
+                                        Path(spec["stderr"]).read_text()) for i, spec in enumerate(specs)]

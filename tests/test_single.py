@@ -2,7 +2,6 @@
 
 Training runs are shared across tests (module-scoped fixtures) because each costs seconds of CPU.
 """
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -21,8 +20,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_job,
-                      run_script)
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_forked,
+                      run_job, run_script)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -457,18 +456,17 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     }
     before = snapshot(tmp_path, tiny_data)
 
-    def run(name):
-        args, _ = cases[name]
-        output_dir = ["--output-dir", tmp_path / "out" / re.sub(r"\W+", "_", name)]
-        try:
-            return run_script(SCRIPT, "--val-fraction", "0.25", *FAST, *output_dir, *args, timeout=60,
-                              env=cpu_env(OMP_NUM_THREADS="1",  # one thread each: they run 3 at a time
-                                          TORCH_HOME=str(torch_home), **NO_NETWORK))
-        except subprocess.TimeoutExpired:
-            return None
+    def args(name, outputs="out"):
+        return ["--val-fraction", "0.25", *FAST, "--output-dir", tmp_path / outputs / re.sub(r"\W+", "_", name),
+                *cases[name][0]]
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        procs = dict(zip(cases, pool.map(run, cases)))
+    # one thread each: they run 3 at a time, each forked from a process that imported torch once (conftest.run_forked)
+    env = cpu_env(OMP_NUM_THREADS="1", TORCH_HOME=str(torch_home), **NO_NETWORK)
+    procs = dict(zip(cases, run_forked(SCRIPT, [args(name) for name in cases], env=env, folder=tmp_path / "forked")))
+    # and as separate interpreters, `python train_single.py ...`: the same ending, line for line
+    for name in ("--epochs 0", "undecodable image, 2 workers"):
+        alone = run_script(SCRIPT, *args(name, "alone"), timeout=60, env=env)
+        assert (alone.returncode, alone.stderr) == (procs[name].returncode, procs[name].stderr), (name, alone.stderr)
 
     failures = []
     for name, proc in procs.items():
