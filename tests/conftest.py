@@ -6,6 +6,7 @@ signatures stable.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -257,11 +258,26 @@ def hub_cache(tmp_path_factory):
 # ------------------------------------------------------------------------------------- jobs started by run.sh
 # What a user runs, made small: default --workers, no --freeze (BatchNorm trains), 2 epochs of 3 steps
 DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]
+# With --freeze (BatchNorm in eval mode, only the head trains) the forward pass of a sample does not depend on the rest
+# of its batch, so W processes x batch B end where one process with batch W x B ends (to float32 summation order)
+EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
+         "--freeze"]
+# test_ddp.py's runs and test_compile.py's: EXACT from torchvision's "ImageNet weights" by name, read from the hub
+# cache with no network (hub_cache, hub_env)
+NAMED_WEIGHTS = [*EXACT, "--weights", "IMAGENET1K_V1"]
+# The amp rung's bf16, asked for by name: on a CPU without bf16 hardware (AVX2 only), where bf16 autocast runs 23-32x
+# slower than float32, the rung trains bf16 only when asked to; every amp run of the CPU tests asks
+BF16 = ["--amp-dtype", "bf16"]
 
 
 def job_env(**extra):
     """A job's environment: one thread per process (2 processes share the 2 cores), unbuffered output, no GPU."""
     return cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, **extra)
+
+
+def hub_env(hub_cache, **extra):
+    """job_env() with TORCH_HOME at the hub cache (conftest.hub_cache) and every proxy at a closed port."""
+    return job_env(TORCH_HOME=str(hub_cache[0]), **NO_NETWORK, **extra)
 
 
 def run_sh(*args, timeout=150, env=None):
@@ -424,14 +440,56 @@ def default_runs(tiny_data, tmp_path_factory):
     """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
     out = tmp_path_factory.mktemp("defaults")
     for mode in ("ddp", "amp"):
-        ok(run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / mode))
+        ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
+                  out / mode))
     return out
 
 
-def kill_mid_epoch(mode, args, output_dir):
+@pytest.fixture(scope="session")
+def bare(tmp_path_factory):
+    """An empty folder with only the six scripts and utils.py copied in: what a user copies into a project."""
+    folder = tmp_path_factory.mktemp("bare")
+    for name in ("train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py",
+                 "train_fsdp.py", "utils.py"):
+        shutil.copy(REPO / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def exact_single(tiny_data, bare, tmp_path_factory):
+    """The reference of the --freeze runs that are not test_ddp.py's: train_single.py (copied out), batch 16, EXACT.
+    Its run folder."""
+    out = tmp_path_factory.mktemp("exact") / "single"
+    ok(run_script(bare / "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir", out, cwd=bare,
+                  env=job_env()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def ddp_killed(tiny_data, tmp_path_factory):
+    """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (a copy of its last.pt, the checkpoint).
+    test_scale.py resumes it at other sizes, test_endings.py with uneven batches."""
+    out = tmp_path_factory.mktemp("ddp_killed")
+    checkpoint = kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
+    shutil.copy(out / "run" / "last.pt", out / "saved.pt")
+    return out / "saved.pt", checkpoint
+
+
+@pytest.fixture(scope="session")
+def amp_run(tiny_data, bare, hub_cache, tmp_path_factory):
+    """train_ddp_amp.py (bf16 autocast on the CPU), 2 processes x batch 8, with the arguments of test_ddp.py's
+    torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run."""
+    out = tmp_path_factory.mktemp("amp") / "run"
+    proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every",
+                       "2", "--output-dir", out], cwd=bare, env=hub_env(hub_cache), timeout=150))
+    return {"dir": out, "proc": proc}
+
+
+def kill_mid_epoch(mode, args, output_dir, env=None):
     """bash run.sh MODE 2 ARGS --save-every 1, SIGKILLed (every process) once step 2 of epoch 1 is logged; returns
     its last.pt, saved after step 1 or 2 of the epoch: 16 or 32 samples at 2 processes x batch 8."""
-    job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir), []
+    job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir, env=env), []
     seen = read_until(job, lines, "epoch 1/2  step 2/3")
     if seen:  # step 1 is saved by now, step 2 may be too
         deliver(job, "every process", signal.SIGKILL)

@@ -1,6 +1,6 @@
 """The parallel ladder, proven on CPU with real launchers and real gloo processes.
 
-Most runs use a folder holding only the five scripts and utils.py (the copy-out case). With --freeze the forward
+Most runs use a folder holding only the six scripts and utils.py (the copy-out case, conftest.bare). With --freeze the forward
 pass of a sample does not depend on the rest of its batch, so W processes x batch B must end where one process
 with batch W x B ends. Tolerance 1e-5: float32 sums in another order explain ~1e-7 here (measured 3e-8), while a
 sampler, averaging or LR bug moves the weights by 1e-3 or more. Every run starts from torchvision's "ImageNet weights"
@@ -8,7 +8,6 @@ by name (--weights IMAGENET1K_V1), read from the hub cache with no network (conf
 """
 import json
 import os
-import shutil
 import signal
 import sys
 
@@ -16,13 +15,11 @@ import pytest
 import torch
 
 import utils
-from conftest import (NO_NETWORK, REPO, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
+from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
                       kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script, run_sh)
 
-SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py"]
 TOL = 1e-5
-COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-          "--freeze", "--weights", "IMAGENET1K_V1"]
+COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,15 +39,6 @@ def torchrun(cwd, nproc, script, *args, launcher="torch.distributed.run", extra=
 
 def results(folder):
     return json.loads((folder / "results.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def bare(tmp_path_factory):
-    """An empty folder with only the five scripts and utils.py copied in: what a user copies into a project."""
-    folder = tmp_path_factory.mktemp("bare")
-    for name in SCRIPTS + ["utils.py"]:
-        shutil.copy(REPO / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +150,13 @@ def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
     return finish(proc, lines, timeout=30), proc.returncode, killed
 
 
-@pytest.fixture(scope="module")
-def amp_run(tiny_data, bare, tmp_path_factory):
-    """train_ddp_amp.py (bf16 autocast on the CPU) with the arguments of the torchrun rung's reference run."""
-    out = tmp_path_factory.mktemp("amp") / "run"
-    proc = ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2",
-                       "--output-dir", out))
-    return {"dir": out, "proc": proc}
-
-
-@pytest.mark.parametrize("script,victim", [("train_ddp_torchrun.py", -1), ("train_ddp_amp.py", -1)])
-def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(runs, amp_run, tiny_data, bare, tmp_path,
-                                                                    script, victim):
-    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2"]
-    reference = runs["dir"] / "ddp" if script == "train_ddp_torchrun.py" else amp_run["dir"]
-    stdout, code, killed = run_and_kill_one_worker(bare, script, [*args, "--output-dir", tmp_path / "killed"],
-                                                   kill_after="epoch 1/2  step 3/3", victim=victim)
+def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(amp_run, tiny_data, bare, tmp_path):
+    """The amp rung (the torchrun rung's: tests/test_preemption.py, with loader workers, and tests/test_fsdp.py's)."""
+    args = [*COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every", "2"]
+    reference = amp_run["dir"]
+    stdout, code, killed = run_and_kill_one_worker(bare, "train_ddp_amp.py", [*args, "--output-dir",
+                                                                              tmp_path / "killed"],
+                                                   kill_after="epoch 1/2  step 3/3", victim=-1)
     assert killed, "the run ended before a worker could be killed"
     assert code == 0, stdout[-4000:]
     # The step-2 checkpoint was written before step 3 was logged; the epoch-end one may have been too
@@ -210,8 +189,8 @@ def test_clip_grad_bounds_each_step(amp_run, tiny_data, bare, tmp_path):
     """--clip-grad small enough to clip every step bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
     clip = 1e-3
-    proc = ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, "--data-path", tiny_data, "-b", "8", "--clip-grad", clip,
-                       "--output-dir", tmp_path / "clipped"))
+    proc = ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--clip-grad",
+                       clip, "--output-dir", tmp_path / "clipped"))
     torch.manual_seed(0)  # the scripts' seed: the head starts as this model's
     initial = utils.build_model("resnet18", 3).state_dict()
     moved = {}

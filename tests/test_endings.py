@@ -8,11 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants, finish, free_port,
-                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, start)
-
-EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-         "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
+from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
+                      finish, free_port, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, start)
 
 
 def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
@@ -40,16 +37,15 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     assert_job_gone(job.token)
 
 
-def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(tiny_data, tmp_path):
-    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done) resumed by train_ddp_launch.py on 3
-    processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold 10/11/11 or 5/5/6
-    batches. Every rank must run the same steps (before, one rank was still in a backward pass while the others
+def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_killed, tiny_data, tmp_path):
+    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done; conftest.ddp_killed) resumed by
+    train_ddp_launch.py on 3 processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold
+    10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass while the others
     evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung, which stops at its
     step count, resumed the same way."""
     args = [*EXACT, "--data-path", tiny_data]
-    checkpoint = kill_mid_epoch("ddp", [*args, "-b", "8"], tmp_path / "two")
-    shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
-    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", tmp_path / "saved.pt",
+    saved, checkpoint = ddp_killed
+    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved,
                                  "--output-dir", tmp_path / name, launcher=launcher))
                for name, launcher in (("launch", "torch.distributed.launch"), ("torchrun", "torch.distributed.run"))}
     steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
@@ -88,8 +84,9 @@ def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(defau
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler'."""
     shutil.copytree(default_runs / "ddp", tmp_path / "run")
-    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, "--epochs", "3", "--workers", "0", "--data-path", tiny_data,
-                       "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run", timeout=300))
+    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, *BF16, "--epochs", "3", "--workers", "0", "--data-path",
+                       tiny_data, "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run",
+                       timeout=300))
     assert "resuming from" in proc.stdout and "epoch 3 after 0 of its 50 samples" in proc.stdout, proc.stdout[-2000:]
     assert "epoch 3/3  step 1/3" in proc.stdout and "epoch 2/3  step" not in proc.stdout, proc.stdout[-2000:]
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3

@@ -1,7 +1,7 @@
 """train_fsdp.py (FSDP2, fully_shard) proven on CPU with real torchrun processes over gloo.
 
-Most runs use a folder holding only train_fsdp.py, train_single.py and utils.py (the copy-out case). As in
-test_ddp.py, --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
+Most runs use a folder holding only the scripts and utils.py (the copy-out case, conftest.bare). As in test_ddp.py,
+--freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
 import json
 import shutil
@@ -13,13 +13,12 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver, finish,
-                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, run_script, start)
+from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
+                      finish, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
-COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-          "--freeze"]
+COMMON = EXACT
 
 
 def torchrun(cwd, nproc, *args, extra=(), timeout=150):
@@ -32,33 +31,21 @@ def results(folder):
 
 
 @pytest.fixture(scope="module")
-def bare(tmp_path_factory):
-    """An empty folder with only the scripts it needs and utils.py copied in: what a user copies into a project."""
-    folder = tmp_path_factory.mktemp("bare")
-    for name in ("train_fsdp.py", "train_single.py", "utils.py"):
-        shutil.copy(REPO / name, folder / name)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_data, bare, tmp_path_factory):
-    """The references: one process with batch 16, and FSDP with 2 processes x batch 8."""
+def runs(tiny_data, bare, exact_single, tmp_path_factory):
+    """The references: one process with batch 16 (conftest.exact_single), and FSDP with 2 processes x batch 8."""
     out = tmp_path_factory.mktemp("fsdp")
-    data = ["--data-path", tiny_data]
-    ok(run_script(bare / "train_single.py", *COMMON, *data, "-b", "16", "--output-dir", out / "single", cwd=bare,
-                  env=job_env()))
-    fsdp = ok(torchrun(bare, 2, *COMMON, *data, "-b", "8", "--output-dir", out / "fsdp"))
-    return {"dir": out, "fsdp": fsdp}
+    fsdp = ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", out / "fsdp"))
+    return {"dir": out, "fsdp": fsdp, "single": exact_single}
 
 
 def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     out = runs["dir"]
     assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"].stdout
     assert runs["fsdp"].stdout.count("epoch 2/2  step 3/3") == 1  # only global rank 0 prints
-    assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(out / "single" / "last.pt"),
-                        atol=TOL)
-    assert results(out / "fsdp")["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
-    assert results(out / "fsdp")["confusion"] == results(out / "single")["confusion"]
+    single = runs["single"]
+    assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(single / "last.pt"), atol=TOL)
+    assert results(out / "fsdp")["final_acc"] == pytest.approx(results(single)["final_acc"])
+    assert results(out / "fsdp")["confusion"] == results(single)["confusion"]
     # The layout: plain last.pt and best.pt, and one sharded folder, the one last.pt names; nothing half-written
     for name in ("last.pt", "best.pt"):
         torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(out / "fsdp" / name))
@@ -69,11 +56,13 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
 
 def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
     """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
-    all-gathers in every forward), and every image is counted once."""
+    all-gathers in every forward), and every image is counted once. At 2 processes, the training run's own last
+    evaluation (batch 8: 9 and 8 images, 2 and 1 batches) of the weights it saved (--freeze: its BatchNorm
+    statistics never change); at 1 and 3 (batch 4: 2, 2 and 2 batches of 6, 6 and 5), --test-only of its last.pt."""
     common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
               "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
     evaluated = {}
-    for nproc in (1, 2, 3):
+    for nproc in (1, 3):
         ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
         evaluated[nproc] = results(tmp_path / str(nproc))
     trained = results(runs["dir"] / "fsdp")
@@ -86,7 +75,7 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
 
 def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data, bare, tmp_path):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["dir"] / "single" / "last.pt",
+    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["single"] / "last.pt",
                     "--output-dir", tmp_path / "out")
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
@@ -183,17 +172,17 @@ def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weigh
 
 def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data, tmp_path):
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
-    (BatchNorm training: every parameter has a gradient and a momentum buffer)."""
+    (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3,
+    against the whole model's float32 bytes."""
     args = ["--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--val-fraction",
             "0.25", "--data-path", tiny_data]
     per_rank = {2: results(trained_bn)["bytes_per_rank"]}
-    for nproc in (1, 3):
-        ok(torchrun(REPO, nproc, *args, "--output-dir", tmp_path / str(nproc)))
-        per_rank[nproc] = results(tmp_path / str(nproc))["bytes_per_rank"]
-    whole = per_rank[1]
-    assert whole["params"] == whole["grads"] == whole["optimizer"] == 4 * sum(
-        p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
+    ok(torchrun(REPO, 3, *args, "--output-dir", tmp_path / "3"))
+    per_rank[3] = results(tmp_path / "3")["bytes_per_rank"]
+    size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
+    whole = {"params": size, "grads": size, "optimizer": size}
     for nproc, figures in per_rank.items():
+        assert set(figures) == set(whole), figures
         for name, size in figures.items():
             # rank 0's shard: a dim-0 chunk, rounded up (64 rows on 3 ranks: 22, 22, 20)
             assert whole[name] / nproc <= size <= 1.1 * whole[name] / nproc, (nproc, name, size, whole[name])
