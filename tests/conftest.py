@@ -3,6 +3,7 @@
 Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
 signatures stable.
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -284,6 +285,17 @@ def run_sh(*args, timeout=150, env=None):
     return run_job(["bash", "run.sh", *map(str, args)], env=env or job_env(), timeout=timeout)
 
 
+def side_by_side(*calls):
+    """Call each function (one that runs a job to its end) at the same time, in threads; their results in order.
+
+    A job of one or two single-threaded processes keeps about one of the 2 cores busy on average (imports, the
+    launcher's start and the teardown run one process at a time), so two such jobs side by side end sooner than one
+    after the other. Only for jobs whose results do not depend on timing, each with one thread per process (a
+    multi-threaded run next to another would lose far more than it gains)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 def ok(proc):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -439,9 +451,8 @@ def assert_gone(pids, within=30):
 def default_runs(tiny_data, tmp_path_factory):
     """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
     out = tmp_path_factory.mktemp("defaults")
-    for mode in ("ddp", "amp"):
-        ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
-                  out / mode))
+    side_by_side(*[lambda mode=mode: ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path",
+                                               tiny_data, "--output-dir", out / mode)) for mode in ("ddp", "amp")])
     return out
 
 

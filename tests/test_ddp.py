@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import utils
-from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
-                      kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script, run_sh)
+from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, assert_resumed_after, assert_same_weights, finish, free_port,
+                      job_env, kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script, run_sh,
+                      side_by_side)
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -43,14 +44,19 @@ def results(folder):
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, bare, tmp_path_factory):
-    """The reference runs, started once: single-process batch 16, and the DDP scripts with 2 x batch 8."""
+    """The reference runs, started once: single-process batch 16, and the DDP scripts with 2 x batch 8, two at a
+    time (conftest.side_by_side), one thread per process."""
     out = tmp_path_factory.mktemp("ladder")
     data = ["--data-path", tiny_data]
-    ok(run_script(bare / "train_single.py", *COMMON, *data, "-b", "16", "--output-dir", out / "single", cwd=bare))
-    dp = ok(run_script(bare / "train_dp.py", *COMMON, *data, "-b", "16", "--output-dir", out / "dp", cwd=bare))
-    # Through run.sh, as a user starts them (run.sh picks the launcher, a free port and 1 thread per process)
-    launch = ok(run_sh("launch", 2, *COMMON, *data, "-b", "8", "--output-dir", out / "launch"))
-    ddp = ok(run_sh("ddp", 2, *COMMON, *data, "-b", "8", "--save-every", "2", "--output-dir", out / "ddp"))
+
+    def single(script, name):
+        return ok(run_script(bare / script, *COMMON, *data, "-b", "16", "--output-dir", out / name, cwd=bare,
+                             env=job_env()))
+
+    def through_run_sh(mode, *extra):  # as a user starts them (run.sh picks the launcher, a free port, the threads)
+        return ok(run_sh(mode, 2, *COMMON, *data, "-b", "8", *extra, "--output-dir", out / mode))
+    _, launch = side_by_side(lambda: single("train_single.py", "single"), lambda: through_run_sh("launch"))
+    dp, ddp = side_by_side(lambda: single("train_dp.py", "dp"), lambda: through_run_sh("ddp", "--save-every", "2"))
     return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
 
 
@@ -94,15 +100,16 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
     checkpoint = runs["dir"] / "single" / "last.pt"
     common = ["--test-only", "--resume", checkpoint, "--data-path", tiny_data, "--img-size", "32",
               "--val-fraction", "0.25", "--workers", "0"]
-    ok(run_script(bare / "train_single.py", *common, "--output-dir", tmp_path / "one", cwd=bare))
-    ok(torchrun(bare, 2, "train_ddp_launch.py", *common, "--output-dir", tmp_path / "two",
-                launcher="torch.distributed.launch"))
-    ok(torchrun(bare, 3, "train_ddp_torchrun.py", *common, "--output-dir", tmp_path / "three"))
-    # --local_rank (the old spelling) is accepted too; this process is its own launcher here
+    # --local_rank (the old spelling) is accepted too; "alone" is its own launcher
     env = job_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=str(free_port()))
-    ok(run_script(bare / "train_ddp_launch.py", "--local_rank=0", *common, "--output-dir", tmp_path / "alone",
-                  cwd=bare, env=env))
+    side_by_side(lambda: ok(run_script(bare / "train_single.py", *common, "--output-dir", tmp_path / "one", cwd=bare,
+                                       env=job_env())),
+                 lambda: ok(torchrun(bare, 2, "train_ddp_launch.py", *common, "--output-dir", tmp_path / "two",
+                                     launcher="torch.distributed.launch")))
+    side_by_side(lambda: ok(torchrun(bare, 3, "train_ddp_torchrun.py", *common, "--output-dir", tmp_path / "three")),
+                 lambda: ok(run_script(bare / "train_ddp_launch.py", "--local_rank=0", *common, "--output-dir",
+                                       tmp_path / "alone", cwd=bare, env=env)))
     one = results(tmp_path / "one")
     assert one["val_count"] == 17
     for name in ("two", "three", "alone"):
@@ -226,29 +233,33 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     # rank once one fails, so without rank 1 waiting the job ended with no error line at all (seen in CI).
     late_rank_0 = tmp_path / "late_rank_0.sh"
     late_rank_0.write_text(f'[ "$LOCAL_RANK" = 0 ] && sleep 2\nexec {sys.executable} "$@"\n')
-    proc = torchrun(bare, 2, late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data,
-                    extra=["--no-python", "bash"], timeout=120)
-    assert proc.returncode != 0
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert errors == ["error: --epochs must be positive, got 0"], proc.stderr[-2000:]
+    # A file that only one rank reads (below): that rank reports it, and the job ends instead of hanging
+    data = make_dataset(tmp_path / "data", [12, 12])
+    (data / "c1" / "0003.jpg").write_bytes(b"not an image at all")
+    # the three jobs side by side: each fails within seconds, mostly starting up
+    late, no_network, unreadable = side_by_side(
+        lambda: torchrun(bare, 2, late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data,
+                         extra=["--no-python", "bash"], timeout=120),
+        # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1
+        # waits
+        lambda: torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
+                         "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", timeout=120),
+        lambda: torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", data, "-b", "4",
+                         "--output-dir", tmp_path / "out", timeout=120))
 
-    # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1 waits
-    proc = torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
-                    "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", timeout=120)
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert late.returncode != 0
+    errors = [line for line in (late.stdout + late.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: --epochs must be positive, got 0"], late.stderr[-2000:]
+
+    errors = [line for line in (no_network.stdout + no_network.stderr).splitlines() if line.startswith("error:")]
+    assert no_network.returncode != 0 and len(errors) == 1, no_network.stderr[-2000:]
     assert "cannot download" in errors[0] and f"put that file at {os.environ['TORCH_HOME']}/hub/checkpoints/resnet34-" \
         in errors[0], errors
 
-    # A file that only one rank reads: that rank reports it, and the job ends instead of hanging on a collective
-    data = make_dataset(tmp_path / "data", [12, 12])
-    (data / "c1" / "0003.jpg").write_bytes(b"not an image at all")
-    proc = torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", data, "-b", "4",
-                    "--output-dir", tmp_path / "out", timeout=120)
-    assert proc.returncode != 0
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "0003.jpg" in errors[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stdout
+    assert unreadable.returncode != 0
+    errors = [line for line in (unreadable.stdout + unreadable.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "0003.jpg" in errors[0], unreadable.stderr[-3000:]
+    assert "Traceback" not in unreadable.stdout
 
 
 def test_run_sh_refuses_a_bad_process_count():

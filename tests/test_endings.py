@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
-                      finish, free_port, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, start)
+                      finish, free_port, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job,
+                      side_by_side, start)
 
 
 def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
@@ -40,14 +41,15 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
 def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_killed, tiny_data, tmp_path):
     """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done; conftest.ddp_killed) resumed by
     train_ddp_launch.py on 3 processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold
-    10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass while the others
-    evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung, which stops at its
-    step count, resumed the same way."""
+    10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass
+    while the others evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung,
+    which stops at its step count, resumed the same way (the two side by side)."""
     args = [*EXACT, "--data-path", tiny_data]
     saved, checkpoint = ddp_killed
-    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved,
-                                 "--output-dir", tmp_path / name, launcher=launcher))
-               for name, launcher in (("launch", "torch.distributed.launch"), ("torchrun", "torch.distributed.run"))}
+    launchers = {"launch": "torch.distributed.launch", "torchrun": "torch.distributed.run"}
+    resumed = dict(zip(launchers, side_by_side(*[
+        lambda name=name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved, "--output-dir",
+                                      tmp_path / name, launcher=launchers[name])) for name in launchers])))
     steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
     for proc in resumed.values():
         steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/2  step ")]

@@ -14,7 +14,8 @@ import torchvision
 
 import utils
 from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
-                      finish, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, start)
+                      finish, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, side_by_side,
+                      start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
@@ -61,10 +62,9 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
     statistics never change); at 1 and 3 (batch 4: 2, 2 and 2 batches of 6, 6 and 5), --test-only of its last.pt."""
     common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
               "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
-    evaluated = {}
-    for nproc in (1, 3):
-        ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
-        evaluated[nproc] = results(tmp_path / str(nproc))
+    side_by_side(*[lambda nproc=nproc: ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
+                   for nproc in (1, 3)])
+    evaluated = {nproc: results(tmp_path / str(nproc)) for nproc in (1, 3)}
     trained = results(runs["dir"] / "fsdp")
     for nproc, figures in evaluated.items():
         assert figures["val_count"] == 17, (nproc, figures)
@@ -102,10 +102,14 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
     args = [*COMMON, "--data-path", tiny_data, "-b", "8"]
     checkpoint = kill_mid_epoch("fsdp", args, tmp_path / "two")
     assert (tmp_path / "two" / checkpoint["optimizer"] / ".metadata").is_file()
-    shutil.copytree(tmp_path / "two", tmp_path / "saved")
+    for name in ("saved", "saved2"):  # a copy for each of the resumes, which run side by side
+        shutil.copytree(tmp_path / "two", tmp_path / name)
 
-    three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
-                        tmp_path / "three"))
+    three, again = side_by_side(
+        lambda: ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
+                            tmp_path / "three")),
+        lambda: ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved2" / "last.pt", "--output-dir",
+                            tmp_path / "again")))
     assert f"epoch 1 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
     # in steps of 24 (2 an epoch): 16 samples done leave one step of epoch 1, 32 leave none (too few for a step)
     assert assert_resumed_after(three.stdout)[0] == {16: 2, 32: 3}[checkpoint["samples"]], three.stdout[-3000:]
@@ -115,7 +119,6 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
     expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
     assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
 
-    again = ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))

@@ -21,12 +21,17 @@ import torchvision
 
 import utils
 from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_forked,
-                      run_job, run_script)
+                      run_job, run_script, side_by_side)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
 EPOCHS, STEPS_PER_EPOCH, VAL_COUNT = 2, 6, 17  # FAST on tiny_data: 50 training images // batch 8; 17 held out
 SAVE_EVERY = 2
+
+
+def one_thread(**extra):
+    """The environment of the runs whose weights are compared: one compute thread each, the same float sums."""
+    return cpu_env(OMP_NUM_THREADS="1", **extra)
 
 
 def train_args(data, output_dir, *extra):
@@ -83,13 +88,13 @@ def runs(tiny_data, tmp_path_factory):
     (which starts fresh). Bitwise equal weights prove both that a seed repeats a run and that loader workers change
     nothing (either broken, they differ).
 
-    One after the other: side by side, their threads would fight over the 2 cores and take several times longer.
+    Side by side (conftest.side_by_side), with one compute thread each (one_thread(): every run compared with them).
     """
     root = tmp_path_factory.mktemp("runs")
     variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
-    return {name: SimpleNamespace(dir=root / name,
-                                  proc=run_script(SCRIPT, *train_args(tiny_data, root / name, *extra)))
-            for name, extra in variants.items()}
+    procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, root / name, *variants[name]),
+                                                        env=one_thread()) for name in variants])
+    return {name: SimpleNamespace(dir=root / name, proc=proc) for name, proc in zip(variants, procs)}
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +257,7 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
 def resumed(tiny_data, tmp_path_factory):
     """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
     out = tmp_path_factory.mktemp("resume") / "run"
-    env = cpu_env(OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    env = one_thread(PYTHONUNBUFFERED="1")
     command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
     stdout, killed_after = [], None
     with open(out.parent / "killed.stderr", "w") as stderr:
@@ -287,7 +292,7 @@ def resumed(tiny_data, tmp_path_factory):
     if (out / "last.pt").exists():
         checkpoint = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
         result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "samples")}
-    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"))
+    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"), env=one_thread())
     return result
 
 
