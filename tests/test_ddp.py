@@ -60,6 +60,7 @@ def runs(tiny_data, bare, tmp_path_factory):
     return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
 
 
+@pytest.mark.quick
 def test_dp_on_cpu_runs_unwrapped_and_equals_single_exactly(runs):
     """On a CPU, train_dp.py has no GPUs to split the batch over and trains the module unwrapped, the same path as
     train_single.py: this proves the dp rung's own loop, LR and checkpoints, not DataParallel itself (which
@@ -69,6 +70,7 @@ def test_dp_on_cpu_runs_unwrapped_and_equals_single_exactly(runs):
                         load_model_state(runs["dir"] / "single" / "last.pt"))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["launch", "ddp"])
 def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     out = runs["dir"]
@@ -180,6 +182,7 @@ def progress(stdout, field):
     return [float(line.split(f"  {field} ")[1].split()[0]) for line in stdout.splitlines() if "  step " in line]
 
 
+@pytest.mark.quick
 def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
     """The amp rung with the torchrun rung's arguments: without autocast it would compute exactly what that rung
     computes. With bf16 autocast the first loss already differs (the forward pass ran in bf16), and the weights end

@@ -39,6 +39,7 @@ def runs(tiny_data, bare, exact_single, tmp_path_factory):
     return {"dir": out, "fsdp": fsdp, "single": exact_single}
 
 
+@pytest.mark.quick
 def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     out = runs["dir"]
     assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"].stdout

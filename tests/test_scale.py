@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (EXACT, assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job,
-                      load_model_state, ok, popen, ranks, run_job, run_script, start)
+from conftest import (BF16, EXACT, assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job,
+                      load_model_state, ok, popen, ranks, run_job, run_script, side_by_side, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -24,15 +24,31 @@ def torchrun(nproc, script, *args, env=None):
                     *args], env=env or job_env(), timeout=150)
 
 
-@pytest.mark.parametrize("mode,nproc", [("ddp", 1), ("ddp", 2), ("amp", 2)])
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, tiny_data, tmp_path, mode, nproc):
+EVALUATIONS = [("ddp", 1), ("ddp", 2), ("amp", 2)]
+
+
+@pytest.fixture(scope="module")
+def evaluations(default_runs, tiny_data, tmp_path_factory):
+    """--test-only on the last.pt of conftest.default_runs (BatchNorm training), for each of EVALUATIONS (mode,
+    processes), two at a time: {(mode, processes): results.json}."""
+    out = tmp_path_factory.mktemp("evaluations")
+
+    def evaluate(mode, nproc):
+        script = {"ddp": "train_ddp_torchrun.py", "amp": "train_ddp_amp.py"}[mode]
+        ok(torchrun(nproc, script, "--test-only", "--resume", default_runs / mode / "last.pt", "--data-path",
+                    tiny_data, "--img-size", "32", "--val-fraction", "0.25", *(BF16 if mode == "amp" else []),
+                    "--output-dir", out / f"{mode}{nproc}"))
+        return utils.json.loads((out / f"{mode}{nproc}" / "results.json").read_text())
+    figures = side_by_side(lambda: evaluate(*EVALUATIONS[0]), lambda: evaluate(*EVALUATIONS[1]))
+    return dict(zip(EVALUATIONS, figures + [evaluate(*EVALUATIONS[2])]))
+
+
+@pytest.mark.parametrize("mode,nproc", EVALUATIONS)
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, evaluations, mode, nproc):
     """BatchNorm in train mode: every rank must evaluate with the statistics rank 0 saves (DDP syncs them only at the
     start of a training forward). Before the fix the logged figure differed from --test-only on last.pt."""
     results = utils.json.loads((default_runs / mode / "results.json").read_text())
-    script = {"ddp": "train_ddp_torchrun.py", "amp": "train_ddp_amp.py"}[mode]
-    ok(torchrun(nproc, script, "--test-only", "--resume", default_runs / mode / "last.pt", "--data-path", tiny_data,
-                "--img-size", "32", "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
-    evaluated = utils.json.loads((tmp_path / "eval" / "results.json").read_text())
+    evaluated = evaluations[mode, nproc]
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
@@ -130,9 +146,10 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
     the scripts' skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
     saved, checkpoint = ddp_killed
     args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
-    three = ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three"))
-    one = ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
-                        tmp_path / "one"))
+    three, one = side_by_side(  # one thread per process
+        lambda: ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three")),
+        lambda: ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
+                              tmp_path / "one", env=job_env())))
     for proc in (three, one):
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout

@@ -103,6 +103,7 @@ def baseline(runs):
     return runs["baseline"]
 
 
+@pytest.mark.quick
 def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
     """The repeat ran with --resume auto in a folder without last.pt: it started fresh, from step 1 (and with 2 loader
     workers: the next test)."""
@@ -119,6 +120,7 @@ def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
                if initial[key].is_floating_point()) > 1e-3
 
 
+@pytest.mark.quick
 def test_loader_workers_do_not_change_weights(runs, baseline):
     """The repeat loaded its data with 2 worker processes, the baseline in the main process (FAST: --workers 0)."""
     check_ok(runs["repeat"].proc)
@@ -126,6 +128,7 @@ def test_loader_workers_do_not_change_weights(runs, baseline):
     assert_same_weights(load_model_state(baseline.dir / "last.pt"), load_model_state(runs["repeat"].dir / "last.pt"))
 
 
+@pytest.mark.quick
 def test_results_and_checkpoints(baseline, tiny_data):
     _, _, val = utils.find_images(tiny_data, 0.25)
     results = json.loads((baseline.dir / "results.json").read_text())
@@ -296,6 +299,7 @@ def resumed(tiny_data, tmp_path_factory):
     return result
 
 
+@pytest.mark.quick
 def test_kill_mid_epoch_and_resume_gives_identical_weights(resumed, baseline):
     assert resumed.killed_after is not None, (f"no mid-epoch progress line after a checkpoint\n"
                                               f"{resumed.killed_stdout}\n{resumed.killed_stderr}")
@@ -383,6 +387,7 @@ def test_demo_data_is_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.quick
 def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched."""
     missing = tmp_path / "no-such-folder"
