@@ -296,6 +296,27 @@ def side_by_side(*calls):
         return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
+class Outcome:
+    """What a function ended with, its value or the exception it raised; get() returns the one or raises the other.
+    For a module fixture that runs the jobs of several tests side by side (outcomes), each test getting its own."""
+
+    def __init__(self, call):
+        try:
+            self.value, self.error = call(), None
+        except Exception as error:  # (an AssertionError of the job's own checks too)
+            self.value, self.error = None, error
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def outcomes(**calls):
+    """side_by_side(*calls.values()), each call's Outcome by its name."""
+    return dict(zip(calls, side_by_side(*[lambda call=call: Outcome(call) for call in calls.values()])))
+
+
 def ok(proc):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

@@ -14,8 +14,8 @@ import torchvision
 
 import utils
 from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
-                      finish, job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, run_sh, side_by_side,
-                      start)
+                      finish, job_env, kill_mid_epoch, load_model_state, ok, outcomes, read_until, run_job, run_sh,
+                      side_by_side, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
@@ -32,11 +32,20 @@ def results(folder):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, bare, exact_single, tmp_path_factory):
-    """The references: one process with batch 16 (conftest.exact_single), and FSDP with 2 processes x batch 8."""
+def references(tiny_data, bare, tmp_path_factory):
+    """The module's two uninterrupted runs, side by side: FSDP with 2 processes x batch 8 and --freeze, and what a
+    user runs, bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
     out = tmp_path_factory.mktemp("fsdp")
-    fsdp = ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", out / "fsdp"))
-    return {"dir": out, "fsdp": fsdp, "single": exact_single}
+    fsdp, _ = side_by_side(
+        lambda: ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", out / "fsdp")),
+        lambda: ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / "bn")))
+    return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
+
+
+@pytest.fixture(scope="module")
+def runs(references, exact_single):
+    """The --freeze references: one process with batch 16 (conftest.exact_single), and FSDP with 2 processes x 8."""
+    return {"dir": references["dir"], "fsdp": references["fsdp"], "single": exact_single}
 
 
 @pytest.mark.quick
@@ -74,24 +83,33 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
 
 
-def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data, bare, tmp_path):
+@pytest.fixture(scope="module")
+def short_jobs(runs, tiny_data, bare, tmp_path_factory):
+    """The next two tests' jobs, side by side: {name: conftest.Outcome of the job}."""
+    out = tmp_path_factory.mktemp("short")
+    return outcomes(
+        another=lambda: torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["single"] / "last.pt",
+                                 "--output-dir", out / "another"),
+        accum=lambda: ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "4", "--accum-steps", "2",
+                                  "--output-dir", out / "accum")) and out / "accum")
+
+
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(short_jobs):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["single"] / "last.pt",
-                    "--output-dir", tmp_path / "out")
+    proc = short_jobs["another"].get()
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
     assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
 
 
-def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, tiny_data, bare, tmp_path):
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, short_jobs):
     """2 x batch 4 x 2 micro-steps == 2 x batch 8: the same weights, and as many reduce-scatters, not twice as many.
     With --freeze only the root module (the head) has gradients: one reduce-scatter per optimizer step."""
-    ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "4", "--accum-steps", "2",
-                "--output-dir", tmp_path / "accum"))
-    assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
-                        load_model_state(runs["dir"] / "fsdp" / "last.pt"), atol=TOL)
-    assert results(tmp_path / "accum")["reduce_scatters"] == results(runs["dir"] / "fsdp")["reduce_scatters"] == 6
+    accum = short_jobs["accum"].get()
+    assert_same_weights(load_model_state(accum / "last.pt"), load_model_state(runs["dir"] / "fsdp" / "last.pt"),
+                        atol=TOL)
+    assert results(accum)["reduce_scatters"] == results(runs["dir"] / "fsdp")["reduce_scatters"] == 6
 
 
 def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, tiny_data, bare,
@@ -141,19 +159,29 @@ def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_d
 
 
 @pytest.fixture(scope="module")
-def trained_bn(tiny_data, tmp_path_factory):
+def trained_bn(references):
     """What a user runs: bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
-    out = tmp_path_factory.mktemp("bn") / "run"
-    ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out))
-    return out
+    return references["bn"]
 
 
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def bn_jobs(trained_bn, tiny_data, tmp_path_factory):
+    """Two tests' jobs side by side: --test-only of trained_bn's last.pt at 2 processes, and one epoch of BatchNorm
+    training at 3. {name: conftest.Outcome of its output folder}."""
+    out = tmp_path_factory.mktemp("bn_jobs")
+    return outcomes(
+        evaluated=lambda: ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path",
+                                      tiny_data, "--img-size", "32", "--val-fraction", "0.25", "--output-dir",
+                                      out / "eval")) and out / "eval",
+        three=lambda: ok(torchrun(REPO, 3, "--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0",
+                                  "--print-freq", "1", "--val-fraction", "0.25", "--data-path", tiny_data,
+                                  "--output-dir", out / "3")) and out / "3")
+
+
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, bn_jobs):
     """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
     the logged figure is what --test-only measures on last.pt."""
-    ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size",
-                "32", "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
-    logged, evaluated = results(trained_bn), results(tmp_path / "eval")
+    logged, evaluated = results(trained_bn), results(bn_jobs["evaluated"].get())
     assert evaluated["val_count"] == logged["val_count"] == 17
     assert evaluated["val_acc"] == logged["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
@@ -174,15 +202,11 @@ def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weigh
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
 
 
-def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data, tmp_path):
+def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, bn_jobs):
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
-    (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3,
-    against the whole model's float32 bytes."""
-    args = ["--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--val-fraction",
-            "0.25", "--data-path", tiny_data]
-    per_rank = {2: results(trained_bn)["bytes_per_rank"]}
-    ok(torchrun(REPO, 3, *args, "--output-dir", tmp_path / "3"))
-    per_rank[3] = results(tmp_path / "3")["bytes_per_rank"]
+    (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3
+    (bn_jobs), against the whole model's float32 bytes."""
+    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(bn_jobs["three"].get())["bytes_per_rank"]}
     size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
     whole = {"params": size, "grads": size, "optimizer": size}
     for nproc, figures in per_rank.items():
