@@ -4,6 +4,7 @@ Other test files import these by name (`from conftest import REPO, FAST, run_scr
 signatures stable.
 """
 import concurrent.futures
+import inspect
 import json
 import os
 import re
@@ -93,6 +94,7 @@ def pytest_configure(config):
     # bash run.sh test quick runs only these (pytest -m quick): each rung trains, DDP equals one device, a kill and
     # resume is bitwise, bad input gives one line, a stop signal saves and resumes
     config.addinivalue_line("markers", "quick: a headline proof, run by `bash run.sh test quick` too")
+    config.addinivalue_line("markers", "alone: no reference run in the background beside this test (conftest.Ahead)")
 
 
 def make_dataset(root, counts, size=32, ext=".jpg"):
@@ -285,14 +287,17 @@ def run_sh(*args, timeout=150, env=None):
     return run_job(["bash", "run.sh", *map(str, args)], env=env or job_env(), timeout=timeout)
 
 
-def side_by_side(*calls):
-    """Call each function (one that runs a job to its end) at the same time, in threads; their results in order.
+def side_by_side(*calls, at_once=2):
+    """Call the functions (each runs a job to its end) in threads, `at_once` at a time, the next one as soon as one
+    ends; their results in order.
 
     A job of one or two single-threaded processes keeps about one of the 2 cores busy on average (imports, the
     launcher's start and the teardown run one process at a time), so two such jobs side by side end sooner than one
-    after the other. Only for jobs whose results do not depend on timing, each with one thread per process (a
-    multi-threaded run next to another would lose far more than it gains)."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    after the other (13 min 58 s for the suite, against about 16 one after the other). Only for jobs whose results
+    do not depend on timing, each with one thread per process: a multi-threaded run next to another, or ranks that
+    wait for each other at every step among more processes than cores, lose more than they gain. More at once only
+    for jobs that mostly wait (a rendezvous or process group that times out)."""
+    with concurrent.futures.ThreadPoolExecutor(min(len(calls), at_once)) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
@@ -312,9 +317,10 @@ class Outcome:
         return self.value
 
 
-def outcomes(**calls):
+def outcomes(at_once=2, **calls):
     """side_by_side(*calls.values()), each call's Outcome by its name."""
-    return dict(zip(calls, side_by_side(*[lambda call=call: Outcome(call) for call in calls.values()])))
+    return dict(zip(calls, side_by_side(*[lambda call=call: Outcome(call) for call in calls.values()],
+                                        at_once=at_once)))
 
 
 def ok(proc):
@@ -468,15 +474,12 @@ def assert_gone(pids, within=30):
     raise AssertionError(f"processes left behind: {[(p, command(p)[:80]) for p in alive]}")
 
 
-@pytest.fixture(scope="session")
-def default_runs(tiny_data, tmp_path_factory):
-    """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
-    out = tmp_path_factory.mktemp("defaults")
-    side_by_side(*[lambda mode=mode: ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path",
-                                               tiny_data, "--output-dir", out / mode)) for mode in ("ddp", "amp")])
-    return out
-
-
+# ------------------------------------------------------------------ reference runs, started ahead of their tests
+# Most of a test's time goes to starting processes, and on average about a quarter of the 2 cores sits idle (a launcher
+# starting, a teardown, a job waiting for a timeout). The session's reference runs below are started ahead, in a
+# background thread, one after the other, in the order the selected tests first need them (so a run of a few tests
+# makes only what they use); each fixture waits for its own. A test marked `alone` has no background job beside it:
+# it waits for the one in progress, and the next waits for it.
 @pytest.fixture(scope="session")
 def bare(tmp_path_factory):
     """An empty folder with only the six scripts and utils.py copied in: what a user copies into a project."""
@@ -487,35 +490,122 @@ def bare(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="session")
-def exact_single(tiny_data, bare, tmp_path_factory):
-    """The reference of the --freeze runs that are not test_ddp.py's: train_single.py (copied out), batch 16, EXACT.
-    Its run folder."""
-    out = tmp_path_factory.mktemp("exact") / "single"
-    ok(run_script(bare / "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir", out, cwd=bare,
-                  env=job_env()))
+def make_default_runs(out, tiny_data):
+    """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
+    side_by_side(*[lambda mode=mode: ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path",
+                                               tiny_data, "--output-dir", out / mode)) for mode in ("ddp", "amp")])
     return out
 
 
-@pytest.fixture(scope="session")
-def ddp_killed(tiny_data, tmp_path_factory):
+def make_exact_single(out, tiny_data, bare):
+    """The reference of the --freeze runs that are not test_ddp.py's: train_single.py (copied out), batch 16, EXACT.
+    Its run folder."""
+    ok(run_script(bare / "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir",
+                  out / "single", cwd=bare, env=job_env()))
+    return out / "single"
+
+
+def make_ddp_killed(out, tiny_data):
     """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (a copy of its last.pt, the checkpoint).
     test_scale.py resumes it at other sizes, test_endings.py with uneven batches."""
-    out = tmp_path_factory.mktemp("ddp_killed")
     checkpoint = kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
     shutil.copy(out / "run" / "last.pt", out / "saved.pt")
     return out / "saved.pt", checkpoint
 
 
-@pytest.fixture(scope="session")
-def amp_run(tiny_data, bare, hub_cache, tmp_path_factory):
+def make_fsdp_killed(out, tiny_data):
+    """bash run.sh fsdp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (its folder, which no test writes to: each
+    resumes a copy, the checkpoint). test_fsdp.py resumes it at 3 and 2 processes, test_endings.py in one process."""
+    return out / "run", kill_mid_epoch("fsdp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
+
+
+def make_amp_run(out, tiny_data, bare, hub_cache):
     """train_ddp_amp.py (bf16 autocast on the CPU), 2 processes x batch 8, with the arguments of test_ddp.py's
     torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run."""
-    out = tmp_path_factory.mktemp("amp") / "run"
     proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every",
-                       "2", "--output-dir", out], cwd=bare, env=hub_env(hub_cache), timeout=150))
-    return {"dir": out, "proc": proc}
+                       "2", "--output-dir", out / "run"], cwd=bare, env=hub_env(hub_cache), timeout=150))
+    return {"dir": out / "run", "proc": proc}
+
+
+AHEAD = {"default_runs": make_default_runs, "exact_single": make_exact_single, "ddp_killed": make_ddp_killed,
+         "fsdp_killed": make_fsdp_killed, "amp_run": make_amp_run}  # each a session fixture of that name
+
+
+class Ahead:
+    """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits."""
+
+    def __init__(self, request, tmp_path_factory):
+        used = dict.fromkeys(name for item in request.session.items for name in item.fixturenames if name in AHEAD)
+        self.quiet, self.stopping, self.made = threading.Lock(), False, {name: concurrent.futures.Future()
+                                                                           for name in used}
+        self.jobs = []
+        for name in used:  # what each needs, made here first: quick, and not thread-safe
+            needs = list(inspect.signature(AHEAD[name]).parameters)[1:]
+            self.jobs.append((name, tmp_path_factory.mktemp(name), {n: request.getfixturevalue(n) for n in needs}))
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        for name, out, needs in self.jobs:
+            with self.quiet:
+                if self.stopping:
+                    self.made[name].cancel()
+                    continue
+                try:
+                    self.made[name].set_result(AHEAD[name](out, **needs))
+                except Exception as error:  # the fixture raises it, for each test that uses it
+                    self.made[name].set_exception(error)
+
+    def get(self, name):
+        return self.made[name].result()
+
+    def stop(self):
+        self.stopping = True
+        self.thread.join()  # the job in progress ends (every job is bounded in time)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ahead(request, tmp_path_factory):
+    runs = Ahead(request, tmp_path_factory)
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(autouse=True)
+def alone_if_marked(request, ahead):
+    """A test marked `alone` waits for the reference run in progress and holds back the next one."""
+    if request.node.get_closest_marker("alone") is None:
+        yield
+        return
+    with ahead.quiet:
+        yield
+
+
+@pytest.fixture(scope="session")
+def default_runs(ahead):
+    """make_default_runs's folder: ddp/ and amp/."""
+    return ahead.get("default_runs")
+
+
+@pytest.fixture(scope="session")
+def exact_single(ahead):
+    return ahead.get("exact_single")
+
+
+@pytest.fixture(scope="session")
+def ddp_killed(ahead):
+    return ahead.get("ddp_killed")
+
+
+@pytest.fixture(scope="session")
+def fsdp_killed(ahead):
+    return ahead.get("fsdp_killed")
+
+
+@pytest.fixture(scope="session")
+def amp_run(ahead):
+    return ahead.get("amp_run")
 
 
 def kill_mid_epoch(mode, args, output_dir, env=None):

@@ -16,8 +16,8 @@ import torch
 
 import utils
 from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, assert_resumed_after, assert_same_weights, finish, free_port,
-                      job_env, kill_job, load_model_state, make_dataset, ok, popen, run_job, run_script, run_sh,
-                      side_by_side)
+                      job_env, kill_job, load_model_state, make_dataset, ok, outcomes, popen, run_job, run_script,
+                      run_sh, side_by_side)
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -55,8 +55,9 @@ def runs(tiny_data, bare, tmp_path_factory):
 
     def through_run_sh(mode, *extra):  # as a user starts them (run.sh picks the launcher, a free port, the threads)
         return ok(run_sh(mode, 2, *COMMON, *data, "-b", "8", *extra, "--output-dir", out / mode))
-    _, launch = side_by_side(lambda: single("train_single.py", "single"), lambda: through_run_sh("launch"))
-    dp, ddp = side_by_side(lambda: single("train_dp.py", "dp"), lambda: through_run_sh("ddp", "--save-every", "2"))
+    _, launch, dp, ddp = side_by_side(lambda: single("train_single.py", "single"), lambda: through_run_sh("launch"),
+                                      lambda: single("train_dp.py", "dp"),
+                                      lambda: through_run_sh("ddp", "--save-every", "2"))
     return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
 
 
@@ -108,8 +109,8 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
     side_by_side(lambda: ok(run_script(bare / "train_single.py", *common, "--output-dir", tmp_path / "one", cwd=bare,
                                        env=job_env())),
                  lambda: ok(torchrun(bare, 2, "train_ddp_launch.py", *common, "--output-dir", tmp_path / "two",
-                                     launcher="torch.distributed.launch")))
-    side_by_side(lambda: ok(torchrun(bare, 3, "train_ddp_torchrun.py", *common, "--output-dir", tmp_path / "three")),
+                                     launcher="torch.distributed.launch")),
+                 lambda: ok(torchrun(bare, 3, "train_ddp_torchrun.py", *common, "--output-dir", tmp_path / "three")),
                  lambda: ok(run_script(bare / "train_ddp_launch.py", "--local_rank=0", *common, "--output-dir",
                                        tmp_path / "alone", cwd=bare, env=env)))
     one = results(tmp_path / "one")
@@ -120,14 +121,24 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), name
 
 
-def test_accumulation_all_reduces_once_per_optimizer_step(runs, tiny_data, bare, tmp_path):
+@pytest.fixture(scope="module")
+def side_jobs(runs, amp_run, tiny_data, bare, tmp_path_factory):
+    """The jobs of three tests side by side (conftest.outcomes): accumulation, clipping, two nodes. {name: Outcome}."""
+    out = tmp_path_factory.mktemp("side_jobs")
+    return {"dir": out, **outcomes(
+        accum=lambda: ok(torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", "4",
+                                  "--accum-steps", "2", "--sync-bn", "--output-dir", out / "accum")),
+        clipped=lambda: ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8",
+                                    "--clip-grad", CLIP, "--output-dir", out / "clipped")),
+        nodes=lambda: two_nodes(runs, tiny_data, out / "nodes"))}
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(runs, side_jobs):
     """2 x batch 4 x 2 micro-steps == 2 x batch 8: same weights, and exactly as many all-reduces (not twice)."""
-    proc = ok(torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", "4",
-                       "--accum-steps", "2", "--sync-bn", "--output-dir", tmp_path / "accum"))
+    proc, accum = side_jobs["accum"].get(), side_jobs["dir"] / "accum"
     reference = runs["dir"] / "ddp"
-    assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"), load_model_state(reference / "last.pt"),
-                        atol=TOL)
-    assert results(tmp_path / "accum")["allreduces"] == results(reference)["allreduces"] > 0
+    assert_same_weights(load_model_state(accum / "last.pt"), load_model_state(reference / "last.pt"), atol=TOL)
+    assert results(accum)["allreduces"] == results(reference)["allreduces"] > 0
     # --sync-bn on CPU: one warning, then per-process BatchNorm
     assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs CUDA") == 1
 
@@ -195,16 +206,17 @@ def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
     assert not torch.equal(amp["fc.weight"], fp32["fc.weight"])
 
 
-def test_clip_grad_bounds_each_step(amp_run, tiny_data, bare, tmp_path):
-    """--clip-grad small enough to clip every step bounds how far the head moves (with --freeze only the head
+CLIP = 1e-3
+
+
+def test_clip_grad_bounds_each_step(amp_run, side_jobs):
+    """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
-    clip = 1e-3
-    proc = ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--clip-grad",
-                       clip, "--output-dir", tmp_path / "clipped"))
+    clip, proc = CLIP, side_jobs["clipped"].get()
     torch.manual_seed(0)  # the scripts' seed: the head starts as this model's
     initial = utils.build_model("resnet18", 3).state_dict()
     moved = {}
-    for name, folder in (("clipped", tmp_path / "clipped"), ("unclipped", amp_run["dir"])):
+    for name, folder in (("clipped", side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
         state = load_model_state(folder / "last.pt")
         moved[name] = torch.cat([(state[k] - initial[k]).flatten() for k in ("fc.weight", "fc.bias")]).norm().item()
     # SGD with momentum 0.9 and weight decay 1e-4: each step moves the head by at most lr x 10 x (the clipped
@@ -213,8 +225,12 @@ def test_clip_grad_bounds_each_step(amp_run, tiny_data, bare, tmp_path):
     assert moved["clipped"] <= bound < moved["unclipped"] / 10, (moved, bound)
 
 
-def test_two_nodes_match_one_node(runs, tiny_data, tmp_path):
-    """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh."""
+def test_two_nodes_match_one_node(side_jobs):
+    """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh (two_nodes)."""
+    side_jobs["nodes"].get()
+
+
+def two_nodes(runs, tiny_data, tmp_path):
     env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
     cmd = ["bash", "run.sh", "ddp", "1", *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir",
            tmp_path / "nodes"]

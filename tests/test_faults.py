@@ -21,7 +21,7 @@ def jobs(tiny_data, tmp_path_factory):
     """Three of this module's jobs side by side, each with its own checks: the profiled run, and two that mostly wait
     (for RDZV_TIMEOUT, for --dist-timeout). {name: conftest.Outcome}; each test gets its own."""
     out = tmp_path_factory.mktemp("faults")
-    return outcomes(profile=lambda: profile(tiny_data, out / "profile"), never_arrives=never_arrives,
+    return outcomes(at_once=3, profile=lambda: profile(tiny_data, out / "profile"), never_arrives=never_arrives,
                     dist_timeout=lambda: dist_timeout(tiny_data, out / "dist_timeout"))
 
 

@@ -14,7 +14,7 @@ import torchvision
 
 import utils
 from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
-                      finish, job_env, kill_mid_epoch, load_model_state, ok, outcomes, read_until, run_job, run_sh,
+                      finish, job_env, load_model_state, ok, outcomes, read_until, run_job, run_sh,
                       side_by_side, start)
 from test_ddp import run_and_kill_one_worker
 
@@ -112,17 +112,17 @@ def test_accumulation_reduce_scatters_on_the_last_micro_step_only(runs, short_jo
     assert results(accum)["reduce_scatters"] == results(runs["dir"] / "fsdp")["reduce_scatters"] == 6
 
 
-def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, tiny_data, bare,
-                                                                                       tmp_path):
-    """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp): the sharded checkpoint continues at 3
-    processes from the same sample with the LR of the new global batch, and at 2 processes to the uninterrupted
-    weights bit for bit (same ranks, batches and summation order; DCP restores every parameter and momentum exactly,
-    and with --freeze the BatchNorm statistics never change)."""
+def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, fsdp_killed, tiny_data,
+                                                                                       bare, tmp_path):
+    """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp; conftest.fsdp_killed): the sharded
+    checkpoint continues at 3 processes from the same sample with the LR of the new global batch, and at 2 processes
+    to the uninterrupted weights bit for bit (same ranks, batches and summation order; DCP restores every parameter
+    and momentum exactly, and with --freeze the BatchNorm statistics never change)."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "8"]
-    checkpoint = kill_mid_epoch("fsdp", args, tmp_path / "two")
-    assert (tmp_path / "two" / checkpoint["optimizer"] / ".metadata").is_file()
+    killed, checkpoint = fsdp_killed
+    assert (killed / checkpoint["optimizer"] / ".metadata").is_file()
     for name in ("saved", "saved2"):  # a copy for each of the resumes, which run side by side
-        shutil.copytree(tmp_path / "two", tmp_path / name)
+        shutil.copytree(killed, tmp_path / name)
 
     three, again = side_by_side(
         lambda: ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
@@ -143,7 +143,20 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
 
-def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_data, bare, tmp_path):
+@pytest.fixture(scope="module")
+def interrupted(runs, references, tiny_data, bare, tmp_path_factory):
+    """The next test's elastic restart and the SIGTERM test's job side by side, each killed or stopped by its own
+    events: {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("interrupted")
+    return outcomes(elastic=lambda: elastic_restart(runs, tiny_data, bare, out / "elastic"),
+                    sigterm=lambda: sigterm_and_resume(references["bn"], tiny_data, out / "sigterm"))
+
+
+def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(interrupted):
+    interrupted["elastic"].get()
+
+
+def elastic_restart(runs, tiny_data, bare, tmp_path):
     args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
     stdout, code, killed = run_and_kill_one_worker(bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3",
                                                    victim=-1)
@@ -187,7 +200,11 @@ def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, bn_jobs):
     assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
 
 
-def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):
+def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(interrupted):
+    interrupted["sigterm"].get()
+
+
+def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
     args = ["fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines = start(*args), []
     if read_until(job, lines, "epoch 1/2  step 1/3"):

@@ -16,7 +16,7 @@ import torch
 
 from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after, assert_same_weights,
                       checkpoint_step, children, command, deliver, descendants, finish, job_env, kill_job,
-                      load_model_state, ok, ranks, read_until, run_sh, side_by_side, start)
+                      load_model_state, ok, outcomes, ranks, read_until, run_sh, side_by_side, start)
 
 def stop_and_resume(mode, how, signum, reference, tiny_data, folder):
     """bash run.sh MODE 2 with the defaults, stopped by signum (delivered `how`, conftest.deliver) after its first
@@ -54,14 +54,29 @@ def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, 
                    for how in ("agent", "every process")])
 
 
-def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
-    """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung."""
-    stop_and_resume("amp", "group", signal.SIGINT, default_runs / "amp", tiny_data, tmp_path)
+@pytest.fixture(scope="module")
+def side_jobs(default_runs, tiny_data, tmp_path_factory):
+    """The jobs of three tests below, two at a time (conftest.outcomes), each stopped, killed or failed by its own
+    events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal must land within the fraction
+    of a second that evaluation takes here.)"""
+    out = tmp_path_factory.mktemp("preemption")
+    ddp, amp = default_runs / "ddp", default_runs / "amp"
+    return outcomes(ctrl_c=lambda: stop_and_resume("amp", "group", signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
+                    elastic=lambda: elastic_restart(ddp, tiny_data, out / "elastic"),
+                    diverging_single=lambda: diverge("single", tiny_data, out / "single"),
+                    diverging_ddp=lambda: diverge("ddp", tiny_data, out / "ddp"))
 
 
+def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(side_jobs):
+    """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung (stop_and_resume)."""
+    side_jobs["ctrl_c"].get()
+
+
+@pytest.mark.alone  # its signal must land within a fraction of a second (conftest.Ahead)
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
     """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated."""
-    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+    reference, folder = default_runs / "ddp", tmp_path
+    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     job, lines, landed = start(*args), [], False
     if read_until(job, lines, "epoch 1/2  step 3/3"):
         training_workers = {pid: len(children(pid)) for pid in ranks(job).values()}  # 2 each
@@ -74,19 +89,18 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
     assert landed, "evaluation was never seen running"
     assert job.returncode == 143, output[-3000:]
     assert "epoch 1/2  val loss" not in output and output.count("stopped by SIGTERM after step 3") == 1, output[-3000:]
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    checkpoint = torch.load(folder / "run" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 48)  # epoch 1 trained (3 x 16), not evaluated
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert "epoch 1/2  val loss" in resumed.stdout and "epoch 1/2  step" not in resumed.stdout
     assert_resumed_after(resumed.stdout, step=3)  # epoch 2 from its first step
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
-    mine, reference = (torch.load(folder / "best.pt", weights_only=True) for folder in (tmp_path / "run",
-                                                                                      default_runs / "ddp"))
-    assert mine["best_acc"] == reference["best_acc"] and mine["epoch"] == reference["epoch"]
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
+    mine, theirs = (torch.load(run / "best.pt", weights_only=True) for run in (folder / "run", reference))
+    assert mine["best_acc"] == theirs["best_acc"] and mine["epoch"] == theirs["epoch"]
 
 
+@pytest.mark.alone  # timed: the job must end within seconds of the kill (conftest.Ahead)
 def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):
     """SIGKILL of one rank (out of memory, a node failure): the survivor must not sit out torchrun's 30 s."""
     job, lines, pids = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), [], []
@@ -100,11 +114,14 @@ def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_d
     assert_gone(pids)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_runs, tiny_data,
-                                                                                         tmp_path):
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(side_jobs):
+    side_jobs["elastic"].get()
+
+
+def elastic_restart(reference, tiny_data, folder):
     env = job_env(TORCHRUN_ARGS="--max-restarts=1")
     job, lines, killed = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
-                               "--output-dir", tmp_path / "run", env=env), [], False
+                               "--output-dir", folder / "run", env=env), [], False
     if read_until(job, lines, "epoch 1/2  step 2/3"):
         os.kill(ranks(job)[0], signal.SIGKILL)
         killed = True
@@ -113,8 +130,7 @@ def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted
     # the restarted group continued after its last checkpoint (step 2, written before the kill), once
     assert output.count("epoch 1/2  step 1/3") == 1, output[-3000:]
     assert_resumed_after(output)
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
 def diverge(mode, tiny_data, folder):
@@ -137,9 +153,10 @@ def diverge(mode, tiny_data, folder):
         assert not broken, (mode, path.name, broken)
 
 
-def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_data, tmp_path):
-    """bash run.sh single and ddp 2 with --lr 1e6, side by side."""
-    side_by_side(*[lambda mode=mode: diverge(mode, tiny_data, tmp_path / mode) for mode in ("single", "ddp")])
+def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(side_jobs):
+    """bash run.sh single and ddp 2 with --lr 1e6 (diverge)."""
+    for mode in ("single", "ddp"):
+        side_jobs[f"diverging_{mode}"].get()
 
 
 @pytest.mark.parametrize("mode", ["single", "dp", "launch"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, job_env, kill_all,
-                      load_model_state, ok, ranks, read_lines_until, run_sh, side_by_side, start)
+                      load_model_state, ok, outcomes, ranks, read_lines_until, run_sh, side_by_side, start)
 
 
 def env_with(**settings):
@@ -25,10 +25,22 @@ def stopped_by(output, name):
     return [line for line in output.splitlines() if line.startswith(f"stopped by {name} after step ")]
 
 
-def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def side_jobs(tiny_data, tmp_path_factory):
+    """Two tests' jobs side by side (conftest.outcomes), each ended by its own events: {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("side_jobs")
+    return outcomes(sigkill=lambda: sigkill_of_run_sh(tiny_data, out / "sigkill"),
+                    fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"))
+
+
+def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(side_jobs):
     """A job manager, `kill -9 -PGID` or a CI timeout: run.sh gets no chance to pass anything on. The launcher, told by
     its parent-death signal, stops the ranks as on SIGTERM: they save and end, and nothing trains on."""
-    out = tmp_path / "run"
+    side_jobs["sigkill"].get()
+
+
+def sigkill_of_run_sh(tiny_data, folder):
+    out = folder / "run"
     job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out)
     pids = []
     try:
@@ -282,8 +294,13 @@ def gpus_answer(tmp_path, count):
     return str(python)
 
 
-def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp_path):
+def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(side_jobs):
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
+    side_jobs["fewer_gpus"].get()
+
+
+def fewer_gpus_than_processes(tiny_data, tmp_path):
+    tmp_path.mkdir()
     env = env_with(PYTHON=gpus_answer(tmp_path, 1), CUDA_VISIBLE_DEVICES="0")  # as on a machine with one GPU
     env.pop("OMP_NUM_THREADS")  # as a user runs it: run.sh shares the cores out as on a CPU-only machine
     job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run", env=env)

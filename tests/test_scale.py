@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from conftest import (BF16, EXACT, assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job,
-                      load_model_state, ok, popen, ranks, run_job, run_script, side_by_side, start)
+                      load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -39,8 +39,7 @@ def evaluations(default_runs, tiny_data, tmp_path_factory):
                     tiny_data, "--img-size", "32", "--val-fraction", "0.25", *(BF16 if mode == "amp" else []),
                     "--output-dir", out / f"{mode}{nproc}"))
         return utils.json.loads((out / f"{mode}{nproc}" / "results.json").read_text())
-    figures = side_by_side(lambda: evaluate(*EVALUATIONS[0]), lambda: evaluate(*EVALUATIONS[1]))
-    return dict(zip(EVALUATIONS, figures + [evaluate(*EVALUATIONS[2])]))
+    return dict(zip(EVALUATIONS, side_by_side(*[lambda case=case: evaluate(*case) for case in EVALUATIONS])))
 
 
 @pytest.mark.parametrize("mode,nproc", EVALUATIONS)
@@ -230,10 +229,22 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
                         atol=TOL)
 
 
-def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def refusals(tiny_data, tmp_path_factory):
+    """The next two tests' jobs side by side (conftest.outcomes): two nodes each, refused before training."""
+    out = tmp_path_factory.mktemp("refusals")
+    return outcomes(shared_store=lambda: shared_store(tiny_data, out / "shared_store"),
+                    different_data=lambda: different_data(tiny_data, out / "different_data"))
+
+
+def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(refusals):
     """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
     the variable, before it trains."""
+    refusals["shared_store"].get()
+
+
+def shared_store(tiny_data, tmp_path):
     env = job_env()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     port = free_port()
@@ -250,8 +261,12 @@ def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data,
         assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
-def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tmp_path):
+def test_ranks_that_see_different_data_stop_with_one_line_per_node(refusals):
     """Two nodes with their own copy of the data, one copy missing an image: each node says so, once."""
+    refusals["different_data"].get()
+
+
+def different_data(tiny_data, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tiny_data, other)
     (other / "c1" / "0003.jpg").unlink()

@@ -20,8 +20,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_forked,
-                      run_job, run_script, side_by_side)
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, outcomes,
+                      run_forked, run_job, run_script, side_by_side)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -171,19 +171,37 @@ def counted_here(state, val):
     return counts
 
 
-def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def short_runs(baseline, tiny_data, tmp_path_factory):
+    """The runs of three tests below, two at a time (conftest.outcomes), one thread each: --test-only of the initial
+    weights, --test-only of the baseline's best.pt (with the baseline's files as they were before it), and one epoch
+    from --weights with --freeze. {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("short_runs")
+    before = snapshot(baseline.dir)
+
+    def test_only(checkpoint, name):
+        return run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
+                          "--resume", checkpoint, "--output-dir", out / name, env=one_thread())
+    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
+    torch.manual_seed(0)
+    checkpoint["model"] = utils.build_model("resnet18", 3).state_dict()  # the weights training started from
+    torch.save(checkpoint, out / "untrained.pt")
+    return {"dir": out, "initial": checkpoint["model"], "before": before, **outcomes(
+        untrained=lambda: test_only(out / "untrained.pt", "untrained"),
+        best=lambda: test_only(baseline.dir / "best.pt", "best"),
+        weights=lambda: weights_then_freeze(tiny_data, out / "weights"))}
+
+
+def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, tiny_data):
     """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
     evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
     far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
     _, _, val = utils.find_images(tiny_data, 0.25)
-    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
-    torch.manual_seed(0)
-    checkpoint["model"] = utils.build_model("resnet18", 3).state_dict()  # the weights training started from
-    torch.save(checkpoint, tmp_path / "untrained.pt")
-    check_ok(run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
-                        "--resume", tmp_path / "untrained.pt", "--output-dir", tmp_path / "eval"))
+    check_ok(short_runs["untrained"].get())
+    checkpoint = {"model": short_runs["initial"]}
+    tmp_path = short_runs["dir"] / "untrained"
     for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
-                                  (tmp_path / "eval" / "results.json", checkpoint["model"])):
+                                  (tmp_path / "results.json", checkpoint["model"])):
         results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
         assert counts.sum(dim=1).tolist() == [6, 5, 6]
         assert results["confusion"] == counts.tolist(), (results_json, results["confusion"], counts)
@@ -193,13 +211,11 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_
     assert not torch.equal(counts, counts.T), counts  # the untrained model's: rows and columns tell apart
 
 
-def test_test_only_evaluates_without_touching_the_run(baseline, tiny_data, tmp_path):
-    before = snapshot(baseline.dir)
+def test_test_only_evaluates_without_touching_the_run(baseline, short_runs):
+    before = short_runs["before"]  # (the baseline's files before short_runs started)
     results = json.loads((baseline.dir / "results.json").read_text())
-    proc = run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
-                      "--resume", baseline.dir / "best.pt", "--output-dir", tmp_path / "eval")
-    check_ok(proc)
-    evaluated = json.loads((tmp_path / "eval" / "results.json").read_text())
+    check_ok(short_runs["best"].get())
+    evaluated = json.loads((short_runs["dir"] / "best" / "results.json").read_text())
     assert evaluated["val_count"] == VAL_COUNT
     assert evaluated["val_acc"] == results["best_acc"], "best.pt should score the best accuracy of the run"
     assert 0 < evaluated["val_loss"] < 20
@@ -516,14 +532,20 @@ def test_run_sh_usage():
     assert "usage: bash run.sh MODE" in good.stdout
 
 
-def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, tmp_path):
+def test_weights_with_another_head_then_freeze_trains_only_the_head(short_runs):
     """--weights from a 1000-class torchvision state dict: the head is skipped (shape differs), and with --freeze
     the backbone, BatchNorm statistics included, ends exactly as loaded while the new head learns."""
+    short_runs["weights"].get()
+
+
+def weights_then_freeze(tiny_data, tmp_path):
+    tmp_path.mkdir()
     torch.manual_seed(123)
     pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()
     torch.save(pretrained, tmp_path / "resnet18.pth")
     proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
-                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run")
+                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run",
+                      env=one_thread())
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = load_model_state(tmp_path / "run" / "last.pt")
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}
