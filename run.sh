@@ -16,7 +16,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   shrink SRC DST  a copy of a dataset with each image's longer side at most 512 px (--max-side N; tools/shrink.py)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   gpucheck        on a GPU machine: doctor, tests/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
-  test            the test suite (pytest)
+  test [quick]    the test suite (pytest); quick: only the headline proofs, in a few minutes
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine; on one machine, N above the visible GPUs
 trains the N processes on the CPU.
 Environment: TORCHRUN_ARGS (extra launcher options); multi-node: NNODES, MASTER_ADDR, MASTER_PORT (29500),
@@ -55,11 +55,17 @@ case "$mode" in
   shrink) exec "$PYTHON" tools/shrink.py "$@" ;;
   doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) exec "$PYTHON" tools/gpucheck.py "$@" ;;
-  test) exec "$PYTHON" -m pytest -q tests "$@" ;;
+  test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed.
+    if [ "${1:-}" = quick ]; then shift; set -- -m quick "$@"; fi
+    exec "$PYTHON" -m pytest -q --durations=15 tests "$@" ;;
 esac
 
 # Multi-process modes: N, the GPU check and the threads per process.
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "$CUDA_VISIBLE_DEVICES" ]; then
+  gpus=0  # every GPU hidden: no need to import torch (2-3 s) to count none
+else
+  gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+fi
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; else nproc=$(( gpus > 0 ? gpus : 2 )); fi
 if [ "$nproc" -lt 1 ]; then echo "run.sh: N must be at least 1" >&2; exit 2; fi
 if [ "$gpus" -gt 0 ] && [ "$nproc" -gt "$gpus" ]; then

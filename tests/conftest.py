@@ -3,9 +3,12 @@
 Other test files import these by name (`from conftest import REPO, FAST, run_script, ...`); keep the names and
 signatures stable.
 """
+import concurrent.futures
+import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +91,10 @@ def pytest_configure(config):
     # torchvision 0.29 deprecates its image codecs (utils.py uses them, with PIL as the fallback); the scripts
     # do not show the warning, and the test summary need not either
     config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding:DeprecationWarning")
+    # bash run.sh test quick runs only these (pytest -m quick): each rung trains, DDP equals one device, a kill and
+    # resume is bitwise, bad input gives one line, a stop signal saves and resumes
+    config.addinivalue_line("markers", "quick: a headline proof, run by `bash run.sh test quick` too")
+    config.addinivalue_line("markers", "alone: no reference run in the background beside this test (conftest.Ahead)")
 
 
 def make_dataset(root, counts, size=32, ext=".jpg"):
@@ -265,6 +272,16 @@ DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1",
 # --clip-grad for the tiny runs' fp16 (GPU) and bf16 (CPU) tests: it bounds the first steps, whose gradient norm is
 # 60-80 here, and the runs still learn (1.0 scaled every step by ~1/100: chance accuracy)
 FP16_CLIP = "50"
+# With --freeze (BatchNorm in eval mode, only the head trains) the forward pass of a sample does not depend on the rest
+# of its batch, so W processes x batch B end where one process with batch W x B ends (to float32 summation order)
+EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
+         "--freeze"]
+# test_ddp.py's runs and test_compile.py's: EXACT from torchvision's "ImageNet weights" by name, read from the hub
+# cache with no network (hub_cache, hub_env)
+NAMED_WEIGHTS = [*EXACT, "--weights", "IMAGENET1K_V1"]
+# The amp rung's bf16, asked for by name: on a CPU without bf16 hardware (AVX2 only), where bf16 autocast runs 23-32x
+# slower than float32, the rung trains bf16 only when asked to; every amp run of the CPU tests asks
+BF16 = ["--amp-dtype", "bf16"]
 
 
 def job_env(**extra):
@@ -272,8 +289,49 @@ def job_env(**extra):
     return cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, **extra)
 
 
+def hub_env(hub_cache, **extra):
+    """job_env() with TORCH_HOME at the hub cache (conftest.hub_cache) and every proxy at a closed port."""
+    return job_env(TORCH_HOME=str(hub_cache[0]), **NO_NETWORK, **extra)
+
+
 def run_sh(*args, timeout=150, env=None):
     return run_job(["bash", "run.sh", *map(str, args)], env=env or job_env(), timeout=timeout)
+
+
+def side_by_side(*calls, at_once=2):
+    """Call the functions (each runs a job to its end) in threads, `at_once` at a time, the next one as soon as one
+    ends; their results in order.
+
+    A job of one or two single-threaded processes keeps about one of the 2 cores busy on average (imports, the
+    launcher's start and the teardown run one process at a time), so two such jobs side by side end sooner than one
+    after the other (13 min 58 s for the suite, against about 16 one after the other). Only for jobs whose results
+    do not depend on timing, each with one thread per process: a multi-threaded run next to another, or ranks that
+    wait for each other at every step among more processes than cores, lose more than they gain. More at once only
+    for jobs that mostly wait (a rendezvous or process group that times out)."""
+    with concurrent.futures.ThreadPoolExecutor(min(len(calls), at_once)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+class Outcome:
+    """What a function ended with, its value or the exception it raised; get() returns the one or raises the other.
+    For a module fixture that runs the jobs of several tests side by side (outcomes), each test getting its own."""
+
+    def __init__(self, call):
+        try:
+            self.value, self.error = call(), None
+        except Exception as error:  # (an AssertionError of the job's own checks too)
+            self.value, self.error = None, error
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def outcomes(at_once=2, **calls):
+    """side_by_side(*calls.values()), each call's Outcome by its name."""
+    return dict(zip(calls, side_by_side(*[lambda call=call: Outcome(call) for call in calls.values()],
+                                        at_once=at_once)))
 
 
 def ok(proc):
@@ -427,19 +485,144 @@ def assert_gone(pids, within=30):
     raise AssertionError(f"processes left behind: {[(p, command(p)[:80]) for p in alive]}")
 
 
+# ------------------------------------------------------------------ reference runs, started ahead of their tests
+# Most of a test's time goes to starting processes, and on average about a quarter of the 2 cores sits idle (a launcher
+# starting, a teardown, a job waiting for a timeout). The session's reference runs below are started ahead, in a
+# background thread, one after the other, in the order the selected tests first need them (so a run of a few tests
+# makes only what they use); each fixture waits for its own. A test marked `alone` has no background job beside it:
+# it waits for the one in progress, and the next waits for it.
 @pytest.fixture(scope="session")
-def default_runs(tiny_data, tmp_path_factory):
+def bare(tmp_path_factory):
+    """An empty folder with only the six scripts and utils.py copied in: what a user copies into a project."""
+    folder = tmp_path_factory.mktemp("bare")
+    for name in ("train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py",
+                 "train_fsdp.py", "utils.py"):
+        shutil.copy(REPO / name, folder / name)
+    return folder
+
+
+def make_default_runs(out, tiny_data):
     """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
-    out = tmp_path_factory.mktemp("defaults")
-    for mode, extra in (("ddp", []), ("amp", ["--amp-dtype", "bf16"])):  # (bf16 asked for: runs on any CPU)
-        ok(run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, *extra, "--output-dir", out / mode))
+    side_by_side(*[lambda mode=mode: ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path",
+                                               tiny_data, "--output-dir", out / mode)) for mode in ("ddp", "amp")])
     return out
 
 
-def kill_mid_epoch(mode, args, output_dir):
+def make_exact_single(out, tiny_data, bare):
+    """The reference of the --freeze runs that are not test_ddp.py's: train_single.py (copied out), batch 16, EXACT.
+    Its run folder."""
+    ok(run_script(bare / "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir",
+                  out / "single", cwd=bare, env=job_env()))
+    return out / "single"
+
+
+def make_ddp_killed(out, tiny_data):
+    """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (a copy of its last.pt, the checkpoint).
+    test_scale.py resumes it at other sizes, test_endings.py with uneven batches."""
+    checkpoint = kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
+    shutil.copy(out / "run" / "last.pt", out / "saved.pt")
+    return out / "saved.pt", checkpoint
+
+
+def make_fsdp_killed(out, tiny_data):
+    """bash run.sh fsdp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (its folder, which no test writes to: each
+    resumes a copy, the checkpoint). test_fsdp.py resumes it at 3 and 2 processes, test_endings.py in one process."""
+    return out / "run", kill_mid_epoch("fsdp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
+
+
+def make_amp_run(out, tiny_data, bare, hub_cache):
+    """train_ddp_amp.py (bf16 autocast on the CPU), 2 processes x batch 8, with the arguments of test_ddp.py's
+    torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run."""
+    proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every",
+                       "2", "--output-dir", out / "run"], cwd=bare, env=hub_env(hub_cache), timeout=150))
+    return {"dir": out / "run", "proc": proc}
+
+
+AHEAD = {"default_runs": make_default_runs, "exact_single": make_exact_single, "ddp_killed": make_ddp_killed,
+         "fsdp_killed": make_fsdp_killed, "amp_run": make_amp_run}  # each a session fixture of that name
+
+
+class Ahead:
+    """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits."""
+
+    def __init__(self, request, tmp_path_factory):
+        used = dict.fromkeys(name for item in request.session.items for name in item.fixturenames if name in AHEAD)
+        self.quiet, self.stopping, self.made = threading.Lock(), False, {name: concurrent.futures.Future()
+                                                                           for name in used}
+        self.jobs = []
+        for name in used:  # what each needs, made here first: quick, and not thread-safe
+            needs = list(inspect.signature(AHEAD[name]).parameters)[1:]
+            self.jobs.append((name, tmp_path_factory.mktemp(name), {n: request.getfixturevalue(n) for n in needs}))
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        for name, out, needs in self.jobs:
+            with self.quiet:
+                if self.stopping:
+                    self.made[name].cancel()
+                    continue
+                try:
+                    self.made[name].set_result(AHEAD[name](out, **needs))
+                except Exception as error:  # the fixture raises it, for each test that uses it
+                    self.made[name].set_exception(error)
+
+    def get(self, name):
+        return self.made[name].result()
+
+    def stop(self):
+        self.stopping = True
+        self.thread.join()  # the job in progress ends (every job is bounded in time)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ahead(request, tmp_path_factory):
+    runs = Ahead(request, tmp_path_factory)
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(autouse=True)
+def alone_if_marked(request, ahead):
+    """A test marked `alone` waits for the reference run in progress and holds back the next one."""
+    if request.node.get_closest_marker("alone") is None:
+        yield
+        return
+    with ahead.quiet:
+        yield
+
+
+@pytest.fixture(scope="session")
+def default_runs(ahead):
+    """make_default_runs's folder: ddp/ and amp/."""
+    return ahead.get("default_runs")
+
+
+@pytest.fixture(scope="session")
+def exact_single(ahead):
+    return ahead.get("exact_single")
+
+
+@pytest.fixture(scope="session")
+def ddp_killed(ahead):
+    return ahead.get("ddp_killed")
+
+
+@pytest.fixture(scope="session")
+def fsdp_killed(ahead):
+    return ahead.get("fsdp_killed")
+
+
+@pytest.fixture(scope="session")
+def amp_run(ahead):
+    return ahead.get("amp_run")
+
+
+def kill_mid_epoch(mode, args, output_dir, env=None):
     """bash run.sh MODE 2 ARGS --save-every 1, SIGKILLed (every process) once step 2 of epoch 1 is logged; returns
     its last.pt, saved after step 1 or 2 of the epoch: 16 or 32 samples at 2 processes x batch 8."""
-    job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir), []
+    job, lines = start(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir, env=env), []
     seen = read_until(job, lines, "epoch 1/2  step 2/3")
     if seen:  # step 1 is saved by now, step 2 may be too
         deliver(job, "every process", signal.SIGKILL)
@@ -520,3 +703,84 @@ def read_lines_until(job, text, timeout):
         watchdog.cancel()
     raise AssertionError(f"{text!r} did not come (the output ended, or {timeout} s passed):\n"
                          + "".join(lines)[-3000:])
+
+
+# ------------------------------------------------------------------------- many short runs of one script
+# A fresh interpreter spends 2-3 s of CPU importing torch, torchvision and utils before a script reads its first
+# argument. For many short runs of one script (bad input that ends at once), a process that has imported them once
+# forks a child for each run, and the child runs the script as `python SCRIPT ARGS` would: as __main__, with that
+# argv, sys.path[0] and environment, its own stdout and stderr, and the interpreter's ending (the exit status of a
+# SystemExit, or the traceback and 1; then threads joined and atexit handlers run, as at exit).
+FORK_SERVER = r"""
+import atexit, json, os, runpy, signal, sys, threading, time
+script, cases_path, results_path, parallel, timeout = sys.argv[1:6]
+sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+import torch, torchvision, utils  # once here, not once per case
+assert len(os.listdir("/proc/self/task")) == 1, "threads running before fork"  # a fork must not copy a thread pool
+cases = json.load(open(cases_path))
+
+
+def run_case(args, out, err):
+    status = 1
+    try:
+        os.setpgid(0, 0)  # the case and its loader workers: one group, killed together at the time limit
+        for fd, path in ((0, os.devnull), (1, out), (2, err)):
+            os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = [script, *args]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as ending:  # as the interpreter ends on one
+            if ending.code is None or isinstance(ending.code, int):
+                status = ending.code or 0
+            else:
+                print(ending.code, file=sys.stderr)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+        threading._shutdown()  # the interpreter's exit: non-daemon threads, then atexit handlers
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os._exit(status)
+
+
+statuses, running, todo = {}, {}, list(range(len(cases)))
+while todo or running:
+    while todo and len(running) < int(parallel):
+        i = todo.pop(0)
+        pid = os.fork()
+        if pid == 0:
+            run_case(cases[i]["args"], cases[i]["stdout"], cases[i]["stderr"])
+        running[pid] = (i, time.monotonic())
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+        statuses[running.pop(pid)[0]] = os.waitstatus_to_exitcode(status)
+        continue
+    for pid, (i, started) in list(running.items()):
+        if time.monotonic() - started > float(timeout):
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            statuses[running.pop(pid)[0]] = None  # still running at its time limit
+    time.sleep(0.02)
+json.dump(statuses, open(results_path, "w"))
+"""
+
+
+def run_forked(script, cases, *, env, folder, parallel=3, timeout=60):
+    """`python SCRIPT ARGS` for each ARGS in cases, `parallel` at a time, each run forked from one process that
+    imported torch, torchvision and utils once (utils from the script's folder). Returns one CompletedProcess per
+    case (exit status, stdout, stderr), or None for a case still running after `timeout` seconds (then killed)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = [{"args": [str(a) for a in args], "stdout": str(folder / f"{i}.out"), "stderr": str(folder / f"{i}.err")}
+             for i, args in enumerate(cases)]
+    (folder / "cases.json").write_text(json.dumps(specs))
+    server = run_job([sys.executable, "-c", FORK_SERVER, str(script), folder / "cases.json", folder / "statuses.json",
+                      parallel, timeout], env=env, timeout=60 + timeout * (len(cases) // parallel + 1))
+    assert server.returncode == 0, server.stderr[-3000:]
+    statuses = json.loads((folder / "statuses.json").read_text())
+    return [None if statuses[str(i)] is None else
+            subprocess.CompletedProcess([script, *spec["args"]], statuses[str(i)], Path(spec["stdout"]).read_text(),
+                                        Path(spec["stderr"]).read_text()) for i, spec in enumerate(specs)]

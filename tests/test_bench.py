@@ -1,5 +1,6 @@
-"""bash run.sh bench --quick: runs end to end and writes a complete bench.json. No speed is asserted (the machine may
-be shared). (The all-reduce counts of accumulation are proven by tests/test_ddp.py, from --profile.)"""
+"""bash run.sh bench --tiny (--quick at a 32-pixel crop, batch 8 and the fewest steps: every run and every figure of
+--quick, in a third of its time): runs end to end and writes a complete bench.json. No speed is asserted (the
+machine may be shared). (The all-reduce counts of accumulation are proven by tests/test_ddp.py, from --profile.)"""
 import json
 import math
 import sys
@@ -15,7 +16,7 @@ def test_quick_bench_writes_every_figure(tmp_path):
     out = tmp_path / "bench"
     env = cpu_env(PYTHON=sys.executable)
     env.pop("OMP_NUM_THREADS", None)  # bench.py sets the threads of every measurement itself
-    proc = run_job(["bash", "run.sh", "bench", "--quick", "--output-dir", out], env=env, timeout=600)
+    proc = run_job(["bash", "run.sh", "bench", "--tiny", "--output-dir", out], env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in FIGURES:
@@ -27,7 +28,10 @@ def test_quick_bench_writes_every_figure(tmp_path):
             assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
     machine = result["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["gpu"] and machine["torch"]
-    assert result["config"]["quick"] and result["config"]["repeats"] == 1
+    assert result["config"]["quick"] and result["config"]["tiny"] and result["config"]["repeats"] == 1
+    assert (result["config"]["img_size"], result["config"]["batch_per_process"]) == (32, 8)
+    assert all("--img-size 32 -b 8" in run["cmd"] for name, runs in result["runs"].items() if name not in
+               ("probe", "split") for run in runs)
     # the markdown table on stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) >= 10 and "train_single.py" in proc.stdout and "compute limit" in proc.stdout

@@ -3,38 +3,39 @@
 Compiling is what costs here: on 2 processes x 1 thread, resnet18 at 32 px took ~21 s to its first step with a
 frozen backbone and ~56 s without (the backward graph then covers every layer), with an empty inductor cache. So
 there is one test, with --freeze (only the head trains, BatchNorm in eval mode), and its own empty cache, so that
-it costs the same on a fresh machine as on a warm one; the resumed run then finds the kernels already compiled.
+it costs the same on a fresh machine as on a warm one; the resumed run then finds the kernels already compiled. The
+eager run it is compared with is conftest.amp_run (the same arguments, without --compile), shared with test_ddp.py.
 """
 import torch
 import torchvision
 
 import utils
-from conftest import (assert_resumed_after, assert_same_weights, checkpoint_step, kill_mid_epoch, load_model_state, ok,
-                      run_sh)
+from conftest import (BF16, NAMED_WEIGHTS, assert_resumed_after, assert_same_weights, checkpoint_step, hub_env,
+                      kill_mid_epoch, load_model_state, ok, run_sh)
 
 # bf16 autocast: inductor fuses and rounds differently from eager, and the head's weights end ~5e-5 apart after 3
 # steps (measured); a rank that skipped the all-reduce, or a step lost on resume, moves them by ~1e-3.
 TOL = 5e-4
-ARGS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1",
-        "--val-fraction", "0.25", "--freeze"]
 
 
-def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, every time
-    args = [*ARGS, "--data-path", tiny_data]
-    ok(run_sh("amp", 2, *args, "--output-dir", tmp_path / "eager"))
-    assert not compiled_kernels(tmp_path / "inductor")  # eager: inductor never ran
+def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(amp_run, hub_cache, tiny_data, tmp_path):
+    cache = tmp_path / "inductor"  # a cold compile, every time; only the compiled runs below use it
+    env = hub_env(hub_cache, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    args = [*NAMED_WEIGHTS, *BF16, "-b", "8", "--data-path", tiny_data]
     # compiled, SIGKILLed in epoch 1 after a mid-epoch checkpoint, then resumed, compiled again
-    checkpoint = kill_mid_epoch("amp", [*args, "--compile"], tmp_path / "compiled")
-    kernels = compiled_kernels(tmp_path / "inductor")
+    assert not cache.exists()
+    checkpoint = kill_mid_epoch("amp", [*args, "--compile"], tmp_path / "compiled", env=env)
+    kernels = compiled_kernels(cache)
     assert kernels, "--compile compiled nothing: the test's inductor cache is empty"
-    resumed = ok(run_sh("amp", 2, *args, "--compile", "--resume", "auto", "--output-dir", tmp_path / "compiled"))
+    resumed = ok(run_sh("amp", 2, *args, "--compile", "--resume", "auto", "--output-dir", tmp_path / "compiled",
+                        env=env))
     assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 3))
 
     state = load_model_state(tmp_path / "compiled" / "last.pt")
     assert not [key for key in state if key.startswith(("_orig_mod.", "module."))], list(state)[:3]
     torchvision.models.resnet18(num_classes=3).load_state_dict(state)  # strict: every key, nothing extra
-    eager = load_model_state(tmp_path / "eager" / "last.pt")
+    assert "--compile" not in amp_run["proc"].args  # eager
+    eager = load_model_state(amp_run["dir"] / "last.pt")
     assert_same_weights(state, eager, atol=TOL)
     torch.manual_seed(0)  # the scripts' initialisation: the head must have moved far more than the tolerance
     initial = utils.torchvision_model("resnet18", 3).state_dict()

@@ -8,11 +8,9 @@ import sys
 import pytest
 import torch
 
-from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants, finish, free_port,
-                      job_env, kill_mid_epoch, load_model_state, ok, read_until, run_job, start)
-
-EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-         "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
+from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
+                      finish, free_port, job_env, load_model_state, ok, outcomes, read_until, run_job,
+                      side_by_side, start)
 
 
 def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
@@ -40,18 +38,18 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     assert_job_gone(job.token)
 
 
-def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(tiny_data, tmp_path):
-    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done) resumed by train_ddp_launch.py on 3
-    processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold 10/11/11 or 5/5/6
-    batches. Every rank must run the same steps (before, one rank was still in a backward pass while the others
-    evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung, which stops at its
-    step count, resumed the same way."""
+def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_killed, tiny_data, tmp_path):
+    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done; conftest.ddp_killed) resumed by
+    train_ddp_launch.py on 3 processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold
+    10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass
+    while the others evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung,
+    which stops at its step count, resumed the same way (the two side by side)."""
     args = [*EXACT, "--data-path", tiny_data]
-    checkpoint = kill_mid_epoch("ddp", [*args, "-b", "8"], tmp_path / "two")
-    shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
-    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", tmp_path / "saved.pt",
-                                 "--output-dir", tmp_path / name, launcher=launcher))
-               for name, launcher in (("launch", "torch.distributed.launch"), ("torchrun", "torch.distributed.run"))}
+    saved, checkpoint = ddp_killed
+    launchers = {"launch": "torch.distributed.launch", "torchrun": "torch.distributed.run"}
+    resumed = dict(zip(launchers, side_by_side(*[
+        lambda name=name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved, "--output-dir",
+                                      tmp_path / name, launcher=launchers[name])) for name in launchers])))
     steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
     for proc in resumed.values():
         steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/2  step ")]
@@ -61,16 +59,17 @@ def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(tiny_
                         load_model_state(tmp_path / "torchrun" / "last.pt"), atol=1e-6)
 
 
-def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(tiny_data, tmp_path):
-    """Killed mid-epoch at 2 processes x batch 8 (saved as step 1 or 2), then resumed in one process at a bigger
-    batch chosen so that its first save, after a training step, falls on that same step number (the bigger global
-    batch renumbers the steps). The shards that last.pt names must hold its own weights; before, a save at a step
-    already on disk kept the old shards (up to 105 apart), and the next resume went back in training."""
+def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fsdp_killed, tiny_data, tmp_path):
+    """Killed mid-epoch at 2 processes x batch 8 (saved as step 1 or 2; conftest.fsdp_killed), then resumed in one
+    process at a bigger batch chosen so that its first save, after a training step, falls on that same step number
+    (the bigger global batch renumbers the steps). The shards that last.pt names must hold its own weights; before, a
+    save at a step already on disk kept the old shards (up to 105 apart), and the next resume went back in training.
+    (--freeze: the head moves at every step, and a shard one step old holds another head.)"""
     import torch.distributed.checkpoint as dcp
     import torchvision
-    args = ["--img-size", "32", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25", "--data-path",
-            tiny_data]  # BatchNorm training: the weights move every step
-    checkpoint = kill_mid_epoch("fsdp", [*args, "--epochs", "2", "-b", "8"], tmp_path / "run")
+    args = [*EXACT, "--data-path", tiny_data]
+    killed, checkpoint = fsdp_killed
+    shutil.copytree(killed, tmp_path / "run")
     saved_step = checkpoint["samples"] // 16  # 2 processes x batch 8
     batch = {1: 26, 2: 18}[saved_step]  # 50 images: 1 step left of 1 per epoch, or of 2: it saves as step 1, or 2
     resumed = ok(torchrun(1, "train_fsdp.py", *args, "--epochs", "1", "-b", batch, "--resume", "auto",
@@ -84,19 +83,37 @@ def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(ti
     assert [p.name for p in (tmp_path / "run").iterdir() if ".dcp" in p.name] == [checkpoint["optimizer"]]
 
 
-def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(default_runs, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def short_jobs(default_runs, tiny_data, tmp_path_factory):
+    """The jobs of the tests below, two at a time (conftest.outcomes): {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("short_jobs")
+    return outcomes(fresh_scaler=lambda: fresh_scaler(default_runs, tiny_data, out / "fresh_scaler"),
+                    cuda_1=lambda: device_cuda_1(tiny_data),
+                    **{case: lambda case=case: teardown(case) for case in TEARDOWN_CASES})
+
+
+def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(short_jobs):
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler'."""
+    short_jobs["fresh_scaler"].get()
+
+
+def fresh_scaler(default_runs, tiny_data, tmp_path):
     shutil.copytree(default_runs / "ddp", tmp_path / "run")
-    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, "--epochs", "3", "--workers", "0", "--data-path", tiny_data,
-                       "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run", timeout=300))
+    proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, *BF16, "--epochs", "3", "--workers", "0", "--data-path",
+                       tiny_data, "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run",
+                       timeout=300))
     assert "resuming from" in proc.stdout and "epoch 3 after 0 of its 50 samples" in proc.stdout, proc.stdout[-2000:]
     assert "epoch 3/3  step 1/3" in proc.stdout and "epoch 2/3  step" not in proc.stdout, proc.stdout[-2000:]
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3
 
 
-def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(tiny_data, tmp_path):
+def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(short_jobs):
     """--device cuda:1 under torchrun would open a context on GPU 1 in every rank and then be ignored: one line."""
+    short_jobs["cuda_1"].get()
+
+
+def device_cuda_1(tiny_data):
     proc = torchrun(2, "train_ddp_torchrun.py", "--device", "cuda:1", "--data-path", tiny_data, timeout=90)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
@@ -117,10 +134,17 @@ print("initialized after:", dist.is_initialized())
 """
 
 
-@pytest.mark.parametrize("case", ["as in torch 2.14", "renamed"])
-def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(case):
+TEARDOWN_CASES = ["as in torch 2.14", "renamed"]
+
+
+@pytest.mark.parametrize("case", TEARDOWN_CASES)
+def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(short_jobs, case):
     """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
     torch release renames it, the exit must still end with the script's own status, not a traceback."""
+    short_jobs[case].get()
+
+
+def teardown(case):
     env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = run_job([sys.executable, "-c", TEARDOWN, REPO, case], env=env, timeout=60)
     assert proc.returncode == 0 and "initialized after: False" in proc.stdout, proc.stderr[-2000:]

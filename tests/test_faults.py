@@ -9,18 +9,31 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, REPO, assert_job_gone, cpu_env, finish, free_port, popen, run_job
+from conftest import FAST, REPO, assert_job_gone, cpu_env, finish, free_port, outcomes, popen, run_job
 
 
 def env_1_thread(**extra):
     return cpu_env(OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
 
 
-def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def jobs(tiny_data, tmp_path_factory):
+    """Three of this module's jobs side by side, each with its own checks: the profiled run, and two that mostly wait
+    (for RDZV_TIMEOUT, for --dist-timeout). {name: conftest.Outcome}; each test gets its own."""
+    out = tmp_path_factory.mktemp("faults")
+    return outcomes(at_once=3, profile=lambda: profile(tiny_data, out / "profile"), never_arrives=never_arrives,
+                    dist_timeout=lambda: dist_timeout(tiny_data, out / "dist_timeout"))
+
+
+def test_profile_writes_a_trace_and_counts_the_syncs_per_step(jobs):
     """torchrun rung, 2 processes x batch 1 (25 steps an epoch), the default --print-freq 10, steps 4-13 profiled: the
     host reads a device value only at step 10, for the progress line's loss and the ranks' stop vote. Reading the
     vote after every step, as before, made it 1.1 per step (and drained a GPU's queue each step). The count comes from
     tools/profile_report.py, reading the trace the script wrote."""
+    jobs["profile"].get()
+
+
+def profile(tiny_data, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "train_ddp_torchrun.py", "--img-size", "32", "-b", "1", "--epochs", "1", "--workers", "0",
                            "--freeze", "--data-path", str(tiny_data), "--val-fraction", "0.25", "--profile", "10",
@@ -65,7 +78,11 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
     assert sorted(p.name for p in (small_disk / "run").glob(".*tmp")) == []
 
 
-def test_a_node_that_never_arrives_ends_with_one_line(tmp_path):
+def test_a_node_that_never_arrives_ends_with_one_line(jobs):
+    jobs["never_arrives"].get()
+
+
+def never_arrives():
     started = time.time()
     proc = run_job(["bash", "run.sh", "ddp", "1", "--epochs", "1"], timeout=90,
                    env=env_1_thread(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -75,10 +92,15 @@ def test_a_node_that_never_arrives_ends_with_one_line(tmp_path):
     assert time.time() - started < 60
 
 
-def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
+def test_dist_timeout_ends_a_job_whose_peer_never_comes(jobs):
     """Local rank 1 never starts its script (it hangs before, here in a sleep): rank 0 waits for it at the process
     group's start for --dist-timeout seconds, not for the default 300, then fails; the launcher ends the sleeper,
     and no process of the job is left."""
+    jobs["dist_timeout"].get()
+
+
+def dist_timeout(tiny_data, tmp_path):
+    tmp_path.mkdir()
     dist_timeout = 10
     hanging_peer = tmp_path / "hanging_peer.sh"
     hanging_peer.write_text(f'[ "$LOCAL_RANK" = 1 ] && exec sleep 600\nexec {sys.executable} "$@"\n')

@@ -1,7 +1,7 @@
 """train_fsdp.py (FSDP2, fully_shard) proven on CPU with real torchrun processes over gloo.
 
-Most runs use a folder holding only train_fsdp.py, train_single.py and utils.py (the copy-out case). As in
-test_ddp.py, --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
+Most runs use a folder holding only the scripts and utils.py (the copy-out case, conftest.bare). As in test_ddp.py,
+--freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
 import json
 import shutil
@@ -13,14 +13,13 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, collectives_per_step,
-                      deliver, finish, job_env, kill_mid_epoch, load_model_state, ok, popen, read_until, run_job,
-                      run_sh, run_script, start)
+from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step,
+                      collectives_per_step, deliver, finish, job_env, load_model_state, ok, outcomes, popen,
+                      read_until, run_job, run_sh, side_by_side, start)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
-COMMON = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-          "--freeze"]
+COMMON = EXACT
 
 
 def torchrun(cwd, nproc, *args, extra=(), timeout=150):
@@ -33,33 +32,31 @@ def results(folder):
 
 
 @pytest.fixture(scope="module")
-def bare(tmp_path_factory):
-    """An empty folder with only the scripts it needs and utils.py copied in: what a user copies into a project."""
-    folder = tmp_path_factory.mktemp("bare")
-    for name in ("train_fsdp.py", "train_single.py", "utils.py"):
-        shutil.copy(REPO / name, folder / name)
-    return folder
+def references(tiny_data, bare, tmp_path_factory):
+    """The module's two uninterrupted runs, side by side: FSDP with 2 processes x batch 8 and --freeze, and what a
+    user runs, bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    fsdp, _ = side_by_side(
+        lambda: ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", out / "fsdp")),
+        lambda: ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / "bn")))
+    return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, bare, tmp_path_factory):
-    """The references: one process with batch 16, and FSDP with 2 processes x batch 8."""
-    out = tmp_path_factory.mktemp("fsdp")
-    data = ["--data-path", tiny_data]
-    ok(run_script(bare / "train_single.py", *COMMON, *data, "-b", "16", "--output-dir", out / "single", cwd=bare,
-                  env=job_env()))
-    fsdp = ok(torchrun(bare, 2, *COMMON, *data, "-b", "8", "--output-dir", out / "fsdp"))
-    return {"dir": out, "fsdp": fsdp}
+def runs(references, exact_single):
+    """The --freeze references: one process with batch 16 (conftest.exact_single), and FSDP with 2 processes x 8."""
+    return {"dir": references["dir"], "fsdp": references["fsdp"], "single": exact_single}
 
 
+@pytest.mark.quick
 def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     out = runs["dir"]
     assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"].stdout
     assert runs["fsdp"].stdout.count("epoch 2/2  step 3/3") == 1  # only global rank 0 prints
-    assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(out / "single" / "last.pt"),
-                        atol=TOL)
-    assert results(out / "fsdp")["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
-    assert results(out / "fsdp")["confusion"] == results(out / "single")["confusion"]
+    single = runs["single"]
+    assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(single / "last.pt"), atol=TOL)
+    assert results(out / "fsdp")["final_acc"] == pytest.approx(results(single)["final_acc"])
+    assert results(out / "fsdp")["confusion"] == results(single)["confusion"]
     # The layout: plain last.pt and best.pt, and one sharded folder, the one last.pt names; nothing half-written
     for name in ("last.pt", "best.pt"):
         torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(out / "fsdp" / name))
@@ -70,13 +67,14 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
 
 def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
     """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
-    all-gathers in every forward), and every image is counted once."""
+    all-gathers in every forward), and every image is counted once. At 2 processes, the training run's own last
+    evaluation (batch 8: 9 and 8 images, 2 and 1 batches) of the weights it saved (--freeze: its BatchNorm
+    statistics never change); at 1 and 3 (batch 4: 2, 2 and 2 batches of 6, 6 and 5), --test-only of its last.pt."""
     common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
               "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
-    evaluated = {}
-    for nproc in (1, 2, 3):
-        ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
-        evaluated[nproc] = results(tmp_path / str(nproc))
+    side_by_side(*[lambda nproc=nproc: ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
+                   for nproc in (1, 3)])
+    evaluated = {nproc: results(tmp_path / str(nproc)) for nproc in (1, 3)}
     trained = results(runs["dir"] / "fsdp")
     for nproc, figures in evaluated.items():
         assert figures["val_count"] == 17, (nproc, figures)
@@ -85,43 +83,56 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
 
 
-def test_resume_from_another_scripts_checkpoint_says_what_to_use(runs, tiny_data, bare, tmp_path):
+@pytest.fixture(scope="module")
+def short_jobs(runs, tiny_data, bare, tmp_path_factory):
+    """The next two tests' jobs, side by side: {name: conftest.Outcome of the job}."""
+    out = tmp_path_factory.mktemp("short")
+    return outcomes(
+        another=lambda: torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["single"] / "last.pt",
+                                 "--output-dir", out / "another"),
+        **{name: lambda batch=batch, accum=accum, name=name: ok(torchrun(
+            bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum, "--print-freq", "10",
+            "--profile", "2", "--output-dir", out / name)) and out / name
+           for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2))})
+
+
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(short_jobs):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["dir"] / "single" / "last.pt",
-                    "--output-dir", tmp_path / "out")
+    proc = short_jobs["another"].get()
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
     assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
 
 
-def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bare, tmp_path):
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(short_jobs):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many reduce-scatters per optimizer step,
     not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted from the
     trace by tools/profile_report.py (see test_ddp.py's accumulation test); the all-gathers double (two forwards)."""
-    for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
-        ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum,
-                    "--print-freq", "10", "--profile", "2", "--output-dir", tmp_path / name))
-    assert_same_weights(load_model_state(tmp_path / "accum" / "last.pt"),
-                        load_model_state(tmp_path / "plain" / "last.pt"), atol=TOL)
-    plain, accum = (collectives_per_step(tmp_path / name / "trace.json") for name in ("plain", "accum"))
+    plain_dir, accum_dir = short_jobs["plain"].get(), short_jobs["accum"].get()
+    assert_same_weights(load_model_state(accum_dir / "last.pt"), load_model_state(plain_dir / "last.pt"), atol=TOL)
+    plain, accum = (collectives_per_step(folder / "trace.json") for folder in (plain_dir, accum_dir))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
     assert accum["allgather"] == 2 * plain["allgather"] > 0, (plain, accum)
 
 
-def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, tiny_data, bare,
-                                                                                       tmp_path):
-    """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp): the sharded checkpoint continues at 3
-    processes from the same sample with the LR of the new global batch, and at 2 processes to the uninterrupted
-    weights bit for bit (same ranks, batches and summation order; DCP restores every parameter and momentum exactly,
-    and with --freeze the BatchNorm statistics never change)."""
+def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, fsdp_killed, tiny_data,
+                                                                                       bare, tmp_path):
+    """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp; conftest.fsdp_killed): the sharded
+    checkpoint continues at 3 processes from the same sample with the LR of the new global batch, and at 2 processes
+    to the uninterrupted weights bit for bit (same ranks, batches and summation order; DCP restores every parameter
+    and momentum exactly, and with --freeze the BatchNorm statistics never change)."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "8"]
-    checkpoint = kill_mid_epoch("fsdp", args, tmp_path / "two")
-    assert (tmp_path / "two" / checkpoint["optimizer"] / ".metadata").is_file()
-    shutil.copytree(tmp_path / "two", tmp_path / "saved")
+    killed, checkpoint = fsdp_killed
+    assert (killed / checkpoint["optimizer"] / ".metadata").is_file()
+    for name in ("saved", "saved2"):  # a copy for each of the resumes, which run side by side
+        shutil.copytree(killed, tmp_path / name)
 
-    three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
-                        tmp_path / "three"))
+    three, again = side_by_side(
+        lambda: ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
+                            tmp_path / "three")),
+        lambda: ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved2" / "last.pt", "--output-dir",
+                            tmp_path / "again")))
     assert f"epoch 1 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
     # in steps of 24 (2 an epoch): 16 samples done leave one step of epoch 1, 32 leave none (too few for a step)
     assert assert_resumed_after(three.stdout)[0] == {16: 2, 32: 3}[checkpoint["samples"]], three.stdout[-3000:]
@@ -131,13 +142,25 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
     expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
     assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
 
-    again = ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
 
-def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_data, bare, tmp_path):
+@pytest.fixture(scope="module")
+def interrupted(runs, references, tiny_data, bare, tmp_path_factory):
+    """The next test's elastic restart and the SIGTERM test's job side by side, each killed or stopped by its own
+    events: {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("interrupted")
+    return outcomes(elastic=lambda: elastic_restart(runs, tiny_data, bare, out / "elastic"),
+                    sigterm=lambda: sigterm_and_resume(references["bn"], tiny_data, out / "sigterm"))
+
+
+def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(interrupted):
+    interrupted["elastic"].get()
+
+
+def elastic_restart(runs, tiny_data, bare, tmp_path):
     args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
     stdout, code, killed = run_and_kill_one_worker(bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3",
                                                    victim=-1)
@@ -153,25 +176,39 @@ def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_d
 
 
 @pytest.fixture(scope="module")
-def trained_bn(tiny_data, tmp_path_factory):
+def trained_bn(references):
     """What a user runs: bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
-    out = tmp_path_factory.mktemp("bn") / "run"
-    ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out))
-    return out
+    return references["bn"]
 
 
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def bn_jobs(trained_bn, tiny_data, tmp_path_factory):
+    """Two tests' jobs side by side: --test-only of trained_bn's last.pt at 2 processes, and one epoch of BatchNorm
+    training at 3. {name: conftest.Outcome of its output folder}."""
+    out = tmp_path_factory.mktemp("bn_jobs")
+    return outcomes(
+        evaluated=lambda: ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path",
+                                      tiny_data, "--img-size", "32", "--val-fraction", "0.25", "--output-dir",
+                                      out / "eval")) and out / "eval",
+        three=lambda: ok(torchrun(REPO, 3, "--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0",
+                                  "--print-freq", "1", "--val-fraction", "0.25", "--data-path", tiny_data,
+                                  "--output-dir", out / "3")) and out / "3")
+
+
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, bn_jobs):
     """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
     the logged figure is what --test-only measures on last.pt."""
-    ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size",
-                "32", "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
-    logged, evaluated = results(trained_bn), results(tmp_path / "eval")
+    logged, evaluated = results(trained_bn), results(bn_jobs["evaluated"].get())
     assert evaluated["val_count"] == logged["val_count"] == 17
     assert evaluated["val_acc"] == logged["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
 
 
-def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):
+def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(interrupted):
+    interrupted["sigterm"].get()
+
+
+def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
     args = ["fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     job, lines = start(*args), []
     if read_until(job, lines, "epoch 1/2  step 1/3"):
@@ -186,19 +223,15 @@ def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weigh
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
 
 
-def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data, tmp_path):
+def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, bn_jobs):
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
-    (BatchNorm training: every parameter has a gradient and a momentum buffer)."""
-    args = ["--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--val-fraction",
-            "0.25", "--data-path", tiny_data]
-    per_rank = {2: results(trained_bn)["bytes_per_rank"]}
-    for nproc in (1, 3):
-        ok(torchrun(REPO, nproc, *args, "--output-dir", tmp_path / str(nproc)))
-        per_rank[nproc] = results(tmp_path / str(nproc))["bytes_per_rank"]
-    whole = per_rank[1]
-    assert whole["params"] == whole["grads"] == whole["optimizer"] == 4 * sum(
-        p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
+    (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3
+    (bn_jobs), against the whole model's float32 bytes."""
+    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(bn_jobs["three"].get())["bytes_per_rank"]}
+    size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
+    whole = {"params": size, "grads": size, "optimizer": size}
     for nproc, figures in per_rank.items():
+        assert set(figures) == set(whole), figures
         for name, size in figures.items():
             # rank 0's shard: a dim-0 chunk, rounded up (64 rows on 3 ranks: 22, 22, 20)
             assert whole[name] / nproc <= size <= 1.1 * whole[name] / nproc, (nproc, name, size, whole[name])

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import DEFAULTS, REPO, assert_same_weights, descendants, job_env, kill_all, load_model_state
+from conftest import DEFAULTS, REPO, assert_same_weights, descendants, job_env, kill_all, load_model_state, side_by_side
 
 
 def ip(*args):
@@ -141,10 +141,13 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
     wrong = address_a.rsplit(".", 1)[0] + ".99"
     command = ["bash", "run.sh", "ddp", "1", "--epochs", "1", "--output-dir", str(tmp_path / "run")]
     timeout = 10
-    wrong_results = run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)],
-                              nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), tmp_path, timeout=120)
-    closed = run_nodes([in_host(hosts["b"], command)], nodes_env(address_a, RDZV_TIMEOUT=str(timeout)), tmp_path,
-                       timeout=120)
+    for name in ("wrong", "closed"):
+        (tmp_path / name).mkdir()
+    wrong_results, closed = side_by_side(  # the two cases at once: each node mostly waits
+        lambda: run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)],
+                          nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), tmp_path / "wrong", timeout=120),
+        lambda: run_nodes([in_host(hosts["b"], command)], nodes_env(address_a, RDZV_TIMEOUT=str(timeout)),
+                          tmp_path / "closed", timeout=120))
     for (code, out, err, seconds), (address, interface), target, why in [
             (wrong_results[0], (address_a, if_a), wrong, r"(no route to host|no answer)"),
             (wrong_results[1], (address_b, if_b), wrong, r"(no route to host|no answer)"),

@@ -14,43 +14,71 @@ import uuid
 import pytest
 import torch
 
-from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after, assert_same_weights,
+from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after, assert_same_weights,
                       checkpoint_step, children, command, deliver, descendants, finish, job_env, kill_job,
-                      load_model_state, ok, ranks, read_until, run_sh, start)
+                      load_model_state, ok, outcomes, ranks, read_until, run_sh, side_by_side, start)
 
-@pytest.mark.parametrize("mode,how,signum", [("ddp", "agent", signal.SIGTERM),
-                                             ("ddp", "every process", signal.SIGTERM),
-                                             ("amp", "group", signal.SIGINT)])
-def test_stop_signal_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path, mode, how,
-                                                                      signum):
-    args = [mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+def stop_and_resume(mode, how, signum, reference, tiny_data, folder):
+    """bash run.sh MODE 2 with the defaults, stopped by signum (delivered `how`, conftest.deliver) after its first
+    step, then resumed with --resume auto: it must end with the reference's weights."""
+    args = [mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
+            folder / "run"]
     job, lines, pids = start(*args), [], []
     if read_until(job, lines, "epoch 1/2  step 1/3"):
         pids = descendants(job.pid)
         deliver(job, how, signum)
     output = finish(job, lines, timeout=60)
-    assert len(pids) >= 6, [command(p) for p in pids]  # agent, 2 ranks, their loader workers
+    assert len(pids) >= 6, (how, [command(p) for p in pids])  # agent, 2 ranks, their loader workers
     name = signal.Signals(signum).name
-    assert job.returncode == 128 + signum, output[-3000:]
+    assert job.returncode == 128 + signum, (how, output[-3000:])
     stops = [line for line in output.splitlines() if line.startswith("stopped by")]
-    assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), output[-3000:]
-    assert output.rstrip().splitlines()[-1] == stops[0], output[-3000:]  # the log ends with the scripts' own line
-    assert "Traceback" not in output, output[-3000:]
-    assert not (tmp_path / "run" / "results.json").exists()
+    assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), (how, output[-3000:])
+    assert output.rstrip().splitlines()[-1] == stops[0], (how, output[-3000:])  # the log ends with the scripts' line
+    assert "Traceback" not in output, (how, output[-3000:])
+    assert not (folder / "run" / "results.json").exists()
     assert_gone(pids)
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
     stopped_after = int(stops[0].split("after step ")[1].split(":")[0])
     assert_resumed_after(resumed.stdout, step=stopped_after)  # not a fresh start that prints "resuming from"
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / mode / "last.pt"))
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
+@pytest.mark.quick
+def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+    """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group) and to every process of
+    the job, loader workers included (SLURM's scancel and preemption): two jobs side by side, each stopped after its
+    own first step."""
+    side_by_side(*[lambda how=how: stop_and_resume("ddp", how, signal.SIGTERM, default_runs / "ddp", tiny_data,
+                                                   tmp_path / how.replace(" ", "_"))
+                   for how in ("agent", "every process")])
+
+
+@pytest.fixture(scope="module")
+def side_jobs(default_runs, tiny_data, tmp_path_factory):
+    """The jobs of three tests below, two at a time (conftest.outcomes), each stopped, killed or failed by its own
+    events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal must land within the fraction
+    of a second that evaluation takes here.)"""
+    out = tmp_path_factory.mktemp("preemption")
+    ddp, amp = default_runs / "ddp", default_runs / "amp"
+    return outcomes(ctrl_c=lambda: stop_and_resume("amp", "group", signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
+                    elastic=lambda: elastic_restart(ddp, tiny_data, out / "elastic"),
+                    diverging_single=lambda: diverge("single", tiny_data, out / "single"),
+                    diverging_ddp=lambda: diverge("ddp", tiny_data, out / "ddp"))
+
+
+def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(side_jobs):
+    """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung (stop_and_resume)."""
+    side_jobs["ctrl_c"].get()
+
+
+@pytest.mark.alone  # its signal must land within a fraction of a second (conftest.Ahead)
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
     """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated.
     (Each rank forks its validation workers at the start, before its training workers: the lower pids. They read
     nothing while the training runs, and read the index queue and the image files as soon as evaluation starts.)"""
-    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+    reference, folder = default_runs / "ddp", tmp_path
+    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     job, lines, landed = start(*args), [], False
     if read_until(job, lines, "epoch 1/2  step 3/3"):
         workers = [sorted(children(pid)) for pid in ranks(job).values()]  # validation's, then training's
@@ -65,17 +93,15 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
     assert landed, "evaluation was never seen running"
     assert job.returncode == 143, output[-3000:]
     assert "epoch 1/2  val loss" not in output and output.count("stopped by SIGTERM after step 3") == 1, output[-3000:]
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    checkpoint = torch.load(folder / "run" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 48)  # epoch 1 trained (3 x 16), not evaluated
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert "epoch 1/2  val loss" in resumed.stdout and "epoch 1/2  step" not in resumed.stdout
     assert_resumed_after(resumed.stdout, step=3)  # epoch 2 from its first step
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
-    mine, reference = (torch.load(folder / "best.pt", weights_only=True) for folder in (tmp_path / "run",
-                                                                                      default_runs / "ddp"))
-    assert mine["best_acc"] == reference["best_acc"] and mine["epoch"] == reference["epoch"]
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
+    mine, theirs = (torch.load(run / "best.pt", weights_only=True) for run in (folder / "run", reference))
+    assert mine["best_acc"] == theirs["best_acc"] and mine["epoch"] == theirs["epoch"]
 
 
 def read_chars(pid):
@@ -87,6 +113,7 @@ def read_chars(pid):
         return 0
 
 
+@pytest.mark.alone  # timed: the job must end within seconds of the kill (conftest.Ahead)
 def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):
     """SIGKILL of one rank (out of memory, a node failure): the survivor must not sit out torchrun's 30 s."""
     job, lines, pids = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), [], []
@@ -100,11 +127,14 @@ def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_d
     assert_gone(pids)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_runs, tiny_data,
-                                                                                         tmp_path):
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(side_jobs):
+    side_jobs["elastic"].get()
+
+
+def elastic_restart(reference, tiny_data, folder):
     env = job_env(TORCHRUN_ARGS="--max-restarts=1")
     job, lines, killed = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
-                               "--output-dir", tmp_path / "run", env=env), [], False
+                               "--output-dir", folder / "run", env=env), [], False
     if read_until(job, lines, "epoch 1/2  step 2/3"):
         os.kill(ranks(job)[0], signal.SIGKILL)
         killed = True
@@ -113,29 +143,33 @@ def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted
     # the restarted group continued after its last checkpoint (step 2, written before the kill), once
     assert output.count("epoch 1/2  step 1/3") == 1, output[-3000:]
     assert_resumed_after(output)
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
-@pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_data, tmp_path, mode):
-    args = [*DEFAULTS, "--data-path", tiny_data, "--lr", "1e6", "--save-every", "1", "--output-dir", tmp_path / "run"]
+def diverge(mode, tiny_data, folder):
+    args = [*DEFAULTS, "--data-path", tiny_data, "--lr", "1e6", "--save-every", "1", "--output-dir", folder / "run"]
     proc = run_sh(mode, *([2] if mode == "ddp" else []), *args)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert len(errors) == 1 and "diverged" in errors[0] and "--lr" in errors[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr  # (torchrun's own summary may follow)
+    assert proc.returncode == 1, (mode, proc.stderr[-3000:])
+    assert len(errors) == 1 and "diverged" in errors[0] and "--lr" in errors[0], (mode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr, mode  # (torchrun's own summary may follow)
     # --save-every 1 saved the steps before the loss went NaN: last.pt is the last good one, finite, and so is
     # best.pt where an epoch ended before (ddp 2: 3 steps an epoch)
     diverged_at = int(errors[0].split(" at step ")[1].split()[0])
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    checkpoint = torch.load(folder / "run" / "last.pt", weights_only=True)
     steps_per_epoch = 6 if mode == "single" else 3
-    assert 1 <= checkpoint_step(checkpoint, steps_per_epoch) < diverged_at, (checkpoint["samples"], errors[0])
-    saved = [tmp_path / "run" / "last.pt"] + ([tmp_path / "run" / "best.pt"] if diverged_at > steps_per_epoch else [])
+    assert 1 <= checkpoint_step(checkpoint, steps_per_epoch) < diverged_at, (mode, checkpoint["samples"], errors[0])
+    saved = [folder / "run" / "last.pt"] + ([folder / "run" / "best.pt"] if diverged_at > steps_per_epoch else [])
     for path in saved:
         state = load_model_state(path)
         broken = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-        assert not broken, (path.name, broken)
+        assert not broken, (mode, path.name, broken)
+
+
+def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(side_jobs):
+    """bash run.sh single and ddp 2 with --lr 1e6 (diverge)."""
+    for mode in ("single", "ddp"):
+        side_jobs[f"diverging_{mode}"].get()
 
 
 @pytest.mark.parametrize("mode", ["single", "dp", "launch"])

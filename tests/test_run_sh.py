@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import (DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, job_env, kill_all,
-                      load_model_state, ok, ranks, read_lines_until, run_sh, start)
+from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, job_env, kill_all,
+                      load_model_state, ok, outcomes, ranks, read_lines_until, run_sh, side_by_side, start)
 
 
 def env_with(**settings):
@@ -25,10 +25,22 @@ def stopped_by(output, name):
     return [line for line in output.splitlines() if line.startswith(f"stopped by {name} after step ")]
 
 
-def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def side_jobs(tiny_data, tmp_path_factory):
+    """Two tests' jobs side by side (conftest.outcomes), each ended by its own events: {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("side_jobs")
+    return outcomes(sigkill=lambda: sigkill_of_run_sh(tiny_data, out / "sigkill"),
+                    fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"))
+
+
+def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(side_jobs):
     """A job manager, `kill -9 -PGID` or a CI timeout: run.sh gets no chance to pass anything on. The launcher, told by
     its parent-death signal, stops the ranks as on SIGTERM: they save and end, and nothing trains on."""
-    out = tmp_path / "run"
+    side_jobs["sigkill"].get()
+
+
+def sigkill_of_run_sh(tiny_data, folder):
+    out = folder / "run"
     job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out)
     pids = []
     try:
@@ -86,14 +98,11 @@ def run_on_a_terminal(args, until, timeout):
             os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("how", ["terminal closes", "group"])
-def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path, how):
-    """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
-    the ranks' output can no longer be written there), or a shell passes its hangup on to run.sh's process group."""
-    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+def sighup_stop_and_resume(how, reference, tiny_data, folder):
+    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     if how == "terminal closes":
         output, status, pids = run_on_a_terminal(args, until="epoch 1/2  step 1/3", timeout=180)
-        assert status == 128 + signal.SIGHUP, (status, output[-3000:])
+        assert status == 128 + signal.SIGHUP, (how, status, output[-3000:])
     else:
         job, pids = start(*args), []
         try:
@@ -104,43 +113,57 @@ def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(defau
         finally:
             kill_all([job.pid, *pids])
             job.wait()
-        assert job.returncode == 128 + signal.SIGHUP, output[-3000:]
-        assert len(stopped_by(output, "SIGHUP")) == 1, output[-3000:]
-        assert output.rstrip().splitlines()[-1].startswith("stopped by SIGHUP"), output[-3000:]
+        assert job.returncode == 128 + signal.SIGHUP, (how, output[-3000:])
+        assert len(stopped_by(output, "SIGHUP")) == 1, (how, output[-3000:])
+        assert output.rstrip().splitlines()[-1].startswith("stopped by SIGHUP"), (how, output[-3000:])
     assert_gone(pids)
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
-    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32, 48), checkpoint["samples"]
+    checkpoint = torch.load(folder / "run" / "last.pt", weights_only=True)
+    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32, 48), (how, checkpoint["samples"])
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
-    assert "resuming from" in resumed.stdout
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+    assert "resuming from" in resumed.stdout, how
+    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
+
+
+def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+    """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
+    the ranks' output can no longer be written there), or a shell passes its hangup on to run.sh's process group.
+    The two jobs side by side, each stopped after its own first step."""
+    side_by_side(*[lambda how=how: sighup_stop_and_resume(how, default_runs / "ddp", tiny_data,
+                                                          tmp_path / how.replace(" ", "_"))
+                   for how in ("terminal closes", "group")])
 
 
 # ---------------------------------------------------------------------------------------- one line means one line
-@pytest.mark.parametrize("mode,nproc,case", [("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
-                                              ("fsdp", 2, "unreadable --resume")])
-def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(tiny_data, tmp_path, mode, nproc,
-                                                                                   case):
-    bad = tmp_path / "bad.pt"
+def bad_input_through_run_sh(mode, nproc, case, tiny_data, folder):
+    folder.mkdir()
+    bad = folder / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    args = {"missing --data-path": ["--data-path", tmp_path / "nowhere"],
-            "--epochs 0": ["--data-path", tiny_data, "--epochs", "0"],
+    args = {"missing --data-path": ["--data-path", folder / "nowhere"],
+            "--epochs 0": ["--data-path", tiny_data, "--epochs", "0", *BF16],
             "unreadable --resume": ["--data-path", tiny_data, "--resume", bad]}[case]
     started = time.time()
-    proc = run_sh(mode, nproc, *DEFAULTS, *args, "--output-dir", tmp_path / "run",
-                  env=job_env(TMPDIR=str(tmp_path)), timeout=120)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = run_sh(mode, nproc, *DEFAULTS, *args, "--output-dir", folder / "run", env=job_env(TMPDIR=str(folder)),
+                  timeout=120)
+    assert proc.returncode == 1, (case, proc.stderr[-3000:])
     lines = (proc.stdout + proc.stderr).splitlines()
     errors = [line for line in lines if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert len(errors) == 1, (case, proc.stderr[-3000:])
     others = [line for line in proc.stderr.splitlines() if line not in errors]
-    logs = list(tmp_path.glob("run.sh-*-log.*"))
-    assert others == [f"run.sh: the launcher's full report: {logs[0]}"], proc.stderr[-3000:]
+    logs = list(folder.glob("run.sh-*-log.*"))
+    assert others == [f"run.sh: the launcher's full report: {logs[0]}"], (case, proc.stderr[-3000:])
     report = logs[0].read_text()
-    assert errors[0] in report and "ChildFailedError" in report and "Root Cause" in report, report[-3000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert errors[0] in report and "ChildFailedError" in report and "Root Cause" in report, (case, report[-3000:])
+    assert "Traceback" not in proc.stdout + proc.stderr, case
     print(f"{mode} {nproc}, {case}: {errors[0]} ({time.time() - started:.1f} s)")
+
+
+def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(tiny_data, tmp_path):
+    """Three cases side by side (each job ends within seconds, most of them spent starting up)."""
+    side_by_side(*[lambda mode=mode, nproc=nproc, case=case: bad_input_through_run_sh(mode, nproc, case, tiny_data,
+                                                                                      tmp_path / mode)
+                   for mode, nproc, case in (("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
+                                             ("fsdp", 2, "unreadable --resume"))])
 
 
 # The launcher's report after a rank failed, captured from `bash run.sh ddp 2 --epochs 0` (site-packages paths cut).
@@ -271,8 +294,13 @@ def gpus_answer(tmp_path, count):
     return str(python)
 
 
-def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp_path):
+def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(side_jobs):
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
+    side_jobs["fewer_gpus"].get()
+
+
+def fewer_gpus_than_processes(tiny_data, tmp_path):
+    tmp_path.mkdir()
     env = env_with(PYTHON=gpus_answer(tmp_path, 1), CUDA_VISIBLE_DEVICES="0")  # as on a machine with one GPU
     env.pop("OMP_NUM_THREADS")  # as a user runs it: run.sh shares the cores out as on a CPU-only machine
     job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run", env=env)
@@ -299,7 +327,8 @@ def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp
 
 
 def test_more_processes_than_gpus_per_node_are_refused_on_several_nodes(tmp_path):
-    env = env_with(PYTHON=gpus_answer(tmp_path, 2), NNODES="2", MASTER_ADDR="127.0.0.1")
+    # as on a machine with 2 GPUs (run.sh asks the stand-in only when CUDA_VISIBLE_DEVICES does not hide them all)
+    env = env_with(PYTHON=gpus_answer(tmp_path, 2), CUDA_VISIBLE_DEVICES="0,1", NNODES="2", MASTER_ADDR="127.0.0.1")
     proc = run_sh("ddp", 4, env=env, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr == "run.sh: 4 processes but only 2 visible GPU(s): use N <= 2 (one process per GPU)\n"

@@ -12,13 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job, kill_mid_epoch,
-                      load_model_state, ok, popen, ranks, run_job, run_script, start)
+from conftest import (BF16, EXACT, assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job,
+                      load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
-EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-         "--freeze"]  # as test_ddp.py's COMMON: with --freeze, W processes x batch B == 1 process x batch W*B
 
 
 def torchrun(nproc, script, *args, env=None):
@@ -26,15 +24,30 @@ def torchrun(nproc, script, *args, env=None):
                     *args], env=env or job_env(), timeout=150)
 
 
-@pytest.mark.parametrize("mode,nproc", [("ddp", 1), ("ddp", 2), ("amp", 2)])
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, tiny_data, tmp_path, mode, nproc):
+EVALUATIONS = [("ddp", 1), ("ddp", 2), ("amp", 2)]
+
+
+@pytest.fixture(scope="module")
+def evaluations(default_runs, tiny_data, tmp_path_factory):
+    """--test-only on the last.pt of conftest.default_runs (BatchNorm training), for each of EVALUATIONS (mode,
+    processes), two at a time: {(mode, processes): results.json}."""
+    out = tmp_path_factory.mktemp("evaluations")
+
+    def evaluate(mode, nproc):
+        script = {"ddp": "train_ddp_torchrun.py", "amp": "train_ddp_amp.py"}[mode]
+        ok(torchrun(nproc, script, "--test-only", "--resume", default_runs / mode / "last.pt", "--data-path",
+                    tiny_data, "--img-size", "32", "--val-fraction", "0.25", *(BF16 if mode == "amp" else []),
+                    "--output-dir", out / f"{mode}{nproc}"))
+        return utils.json.loads((out / f"{mode}{nproc}" / "results.json").read_text())
+    return dict(zip(EVALUATIONS, side_by_side(*[lambda case=case: evaluate(*case) for case in EVALUATIONS])))
+
+
+@pytest.mark.parametrize("mode,nproc", EVALUATIONS)
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, evaluations, mode, nproc):
     """BatchNorm in train mode: every rank must evaluate with the statistics rank 0 saves (DDP syncs them only at the
     start of a training forward). Before the fix the logged figure differed from --test-only on last.pt."""
     results = utils.json.loads((default_runs / mode / "results.json").read_text())
-    script = {"ddp": "train_ddp_torchrun.py", "amp": "train_ddp_amp.py"}[mode]
-    ok(torchrun(nproc, script, "--test-only", "--resume", default_runs / mode / "last.pt", "--data-path", tiny_data,
-                "--img-size", "32", "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
-    evaluated = utils.json.loads((tmp_path / "eval" / "results.json").read_text())
+    evaluated = evaluations[mode, nproc]
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
@@ -125,19 +138,17 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     return model.state_dict()
 
 
-def test_resume_at_another_world_size_and_batch_continues_the_same_training(tiny_data, tmp_path):
-    """A checkpoint saved mid-epoch by 2 processes x batch 8 continues on 3 processes x batch 8, and in one process
-    with batch 24: the same samples from the same point, the LR of the new global batch, and the weights this test
-    computes itself from the checkpoint and the shuffled order (continue_here, which does not use the scripts'
-    skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
+def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, tiny_data, tmp_path):
+    """A checkpoint saved mid-epoch by 2 processes x batch 8 (conftest.ddp_killed) continues on 3 processes x batch 8,
+    and in one process with batch 24: the same samples from the same point, the LR of the new global batch, and the
+    weights this test computes itself from the checkpoint and the shuffled order (continue_here, which does not use
+    the scripts' skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
+    saved, checkpoint = ddp_killed
     args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
-    checkpoint = kill_mid_epoch("ddp", args, tmp_path / "two")
-    shutil.copy(tmp_path / "two" / "last.pt", tmp_path / "saved.pt")
-
-    three = ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", tmp_path / "saved.pt",
-                        "--output-dir", tmp_path / "three"))
-    one = ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", tmp_path / "saved.pt",
-                        "--output-dir", tmp_path / "one"))
+    three, one = side_by_side(  # one thread per process
+        lambda: ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three")),
+        lambda: ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
+                              tmp_path / "one", env=job_env())))
     for proc in (three, one):
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout
@@ -149,19 +160,11 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(tiny
         epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
         expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
         assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
-    reference = continue_here(tmp_path / "saved.pt", tiny_data, global_batch=24)
+    reference = continue_here(saved, tiny_data, global_batch=24)
     saved = checkpoint["model"]
     assert (reference["fc.weight"] - saved["fc.weight"]).abs().max() > 100 * TOL  # the steps left moved the head
     for name in ("three", "one"):
         assert_same_weights(load_model_state(tmp_path / name / "last.pt"), reference, atol=TOL)
-
-
-@pytest.fixture(scope="module")
-def exact_reference(tiny_data, tmp_path_factory):
-    """One node, 2 processes x batch 8, uninterrupted."""
-    out = tmp_path_factory.mktemp("exact") / "run"
-    ok(torchrun(2, "train_ddp_torchrun.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir", out))
-    return out
 
 
 def read_lines(job, into):
@@ -178,7 +181,7 @@ def pending_signals(pid):
     return {signal.Signals(bit + 1) for bit in range(64) if mask >> bit & 1 and bit + 1 in signal.valid_signals()}
 
 
-def test_restart_across_nodes_whose_agents_count_differently(exact_reference, tiny_data, tmp_path):
+def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_data, tmp_path):
     """Two torchrun agents (nodes) with --max-restarts=1. One node's worker hangs (SIGSTOP, as a rank does when its
     NCCL peer died) and the other node's worker dies (SIGKILL). The second agent counts a restart; the first
     restarts for the membership change, which torchrun does not count, so the two nodes' restart counts differ (the
@@ -221,14 +224,27 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_reference, ti
     resumed = [t for t in text if "resuming from" in t]
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_reference / "last.pt"),
+    # the uninterrupted weights: one process with the global batch (conftest.exact_single; W x B == 1 x W*B)
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_single / "last.pt"),
                         atol=TOL)
 
 
-def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def refusals(tiny_data, tmp_path_factory):
+    """The next two tests' jobs side by side (conftest.outcomes): two nodes each, refused before training."""
+    out = tmp_path_factory.mktemp("refusals")
+    return outcomes(shared_store=lambda: shared_store(tiny_data, out / "shared_store"),
+                    different_data=lambda: different_data(tiny_data, out / "different_data"))
+
+
+def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(refusals):
     """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
     the variable, before it trains."""
+    refusals["shared_store"].get()
+
+
+def shared_store(tiny_data, tmp_path):
     env = job_env()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     port = free_port()
@@ -245,8 +261,12 @@ def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data,
         assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
-def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tmp_path):
+def test_ranks_that_see_different_data_stop_with_one_line_per_node(refusals):
     """Two nodes with their own copy of the data, one copy missing an image: each node says so, once."""
+    refusals["different_data"].get()
+
+
+def different_data(tiny_data, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tiny_data, other)
     (other / "c1" / "0003.jpg").unlink()

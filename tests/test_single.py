@@ -2,7 +2,6 @@
 
 Training runs are shared across tests (module-scoped fixtures) because each costs seconds of CPU.
 """
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -21,13 +20,18 @@ import torch
 import torchvision
 
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, run_job,
-                      run_script)
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, outcomes,
+                      run_forked, run_job, run_script, side_by_side)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
 EPOCHS, STEPS_PER_EPOCH, VAL_COUNT = 2, 6, 17  # FAST on tiny_data: 50 training images // batch 8; 17 held out
 SAVE_EVERY = 2
+
+
+def one_thread(**extra):
+    """The environment of the runs whose weights are compared: one compute thread each, the same float sums."""
+    return cpu_env(OMP_NUM_THREADS="1", **extra)
 
 
 def train_args(data, output_dir, *extra):
@@ -80,16 +84,17 @@ def assert_untouched(before):
 # ------------------------------------------------------------------------------------------ shared runs
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
-    """Three complete runs: the baseline, the same again (with --resume auto in a new folder, which starts fresh),
-    and the same with 2 loader workers.
+    """Two complete runs: the baseline, and the same again with 2 loader workers and --resume auto in a new folder
+    (which starts fresh). Bitwise equal weights prove both that a seed repeats a run and that loader workers change
+    nothing (either broken, they differ).
 
-    One after the other: side by side, their threads would fight over the 2 cores and take several times longer.
+    Side by side (conftest.side_by_side), with one compute thread each (one_thread(): every run compared with them).
     """
     root = tmp_path_factory.mktemp("runs")
-    variants = {"baseline": [], "repeat": ["--resume", "auto"], "workers2": ["--workers", "2"]}
-    return {name: SimpleNamespace(dir=root / name,
-                                  proc=run_script(SCRIPT, *train_args(tiny_data, root / name, *extra)))
-            for name, extra in variants.items()}
+    variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
+    procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, root / name, *variants[name]),
+                                                        env=one_thread()) for name in variants])
+    return {name: SimpleNamespace(dir=root / name, proc=proc) for name, proc in zip(variants, procs)}
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +103,10 @@ def baseline(runs):
     return runs["baseline"]
 
 
+@pytest.mark.quick
 def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
-    """The repeat ran with --resume auto in a folder without last.pt: it started fresh, from step 1."""
+    """The repeat ran with --resume auto in a folder without last.pt: it started fresh, from step 1 (and with 2 loader
+    workers: the next test)."""
     check_ok(runs["repeat"].proc)
     assert "resuming from" not in runs["repeat"].proc.stdout
     assert progress_steps(runs["repeat"].proc.stdout) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
@@ -113,11 +120,15 @@ def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
                if initial[key].is_floating_point()) > 1e-3
 
 
+@pytest.mark.quick
 def test_loader_workers_do_not_change_weights(runs, baseline):
-    check_ok(runs["workers2"].proc)
-    assert_same_weights(load_model_state(baseline.dir / "last.pt"), load_model_state(runs["workers2"].dir / "last.pt"))
+    """The repeat loaded its data with 2 worker processes, the baseline in the main process (FAST: --workers 0)."""
+    check_ok(runs["repeat"].proc)
+    assert FAST[FAST.index("--workers") + 1] == "0"  # the baseline's
+    assert_same_weights(load_model_state(baseline.dir / "last.pt"), load_model_state(runs["repeat"].dir / "last.pt"))
 
 
+@pytest.mark.quick
 def test_results_and_checkpoints(baseline, tiny_data):
     _, _, val = utils.find_images(tiny_data, 0.25)
     results = json.loads((baseline.dir / "results.json").read_text())
@@ -160,19 +171,37 @@ def counted_here(state, val):
     return counts
 
 
-def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def short_runs(baseline, tiny_data, tmp_path_factory):
+    """The runs of three tests below, two at a time (conftest.outcomes), one thread each: --test-only of the initial
+    weights, --test-only of the baseline's best.pt (with the baseline's files as they were before it), and one epoch
+    from --weights with --freeze. {name: conftest.Outcome}."""
+    out = tmp_path_factory.mktemp("short_runs")
+    before = snapshot(baseline.dir)
+
+    def test_only(checkpoint, name):
+        return run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
+                          "--resume", checkpoint, "--output-dir", out / name, env=one_thread())
+    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
+    torch.manual_seed(0)
+    checkpoint["model"] = utils.torchvision_model("resnet18", 3).state_dict()  # the weights training started from
+    torch.save(checkpoint, out / "untrained.pt")
+    return {"dir": out, "initial": checkpoint["model"], "before": before, **outcomes(
+        untrained=lambda: test_only(out / "untrained.pt", "untrained"),
+        best=lambda: test_only(baseline.dir / "best.pt", "best"),
+        weights=lambda: weights_then_freeze(tiny_data, out / "weights"))}
+
+
+def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, tiny_data):
     """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
     evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
     far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
     _, _, val = utils.find_images(tiny_data, 0.25)
-    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
-    torch.manual_seed(0)
-    checkpoint["model"] = utils.torchvision_model("resnet18", 3).state_dict()  # the weights training started from
-    torch.save(checkpoint, tmp_path / "untrained.pt")
-    check_ok(run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
-                        "--resume", tmp_path / "untrained.pt", "--output-dir", tmp_path / "eval"))
+    check_ok(short_runs["untrained"].get())
+    checkpoint = {"model": short_runs["initial"]}
+    tmp_path = short_runs["dir"] / "untrained"
     for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
-                                  (tmp_path / "eval" / "results.json", checkpoint["model"])):
+                                  (tmp_path / "results.json", checkpoint["model"])):
         results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
         assert counts.sum(dim=1).tolist() == [6, 5, 6]
         assert results["confusion"] == counts.tolist(), (results_json, results["confusion"], counts)
@@ -182,13 +211,11 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, tiny_
     assert not torch.equal(counts, counts.T), counts  # the untrained model's: rows and columns tell apart
 
 
-def test_test_only_evaluates_without_touching_the_run(baseline, tiny_data, tmp_path):
-    before = snapshot(baseline.dir)
+def test_test_only_evaluates_without_touching_the_run(baseline, short_runs):
+    before = short_runs["before"]  # (the baseline's files before short_runs started)
     results = json.loads((baseline.dir / "results.json").read_text())
-    proc = run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
-                      "--resume", baseline.dir / "best.pt", "--output-dir", tmp_path / "eval")
-    check_ok(proc)
-    evaluated = json.loads((tmp_path / "eval" / "results.json").read_text())
+    check_ok(short_runs["best"].get())
+    evaluated = json.loads((short_runs["dir"] / "best" / "results.json").read_text())
     assert evaluated["val_count"] == VAL_COUNT
     assert evaluated["val_acc"] == results["best_acc"], "best.pt should score the best accuracy of the run"
     assert 0 < evaluated["val_loss"] < 20
@@ -249,7 +276,7 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
 def resumed(tiny_data, tmp_path_factory):
     """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
     out = tmp_path_factory.mktemp("resume") / "run"
-    env = cpu_env(OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    env = one_thread(PYTHONUNBUFFERED="1")
     command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
     stdout, killed_after = [], None
     with open(out.parent / "killed.stderr", "w") as stderr:
@@ -284,10 +311,11 @@ def resumed(tiny_data, tmp_path_factory):
     if (out / "last.pt").exists():
         checkpoint = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
         result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "samples")}
-    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"))
+    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"), env=one_thread())
     return result
 
 
+@pytest.mark.quick
 def test_kill_mid_epoch_and_resume_gives_identical_weights(resumed, baseline):
     assert resumed.killed_after is not None, (f"no mid-epoch progress line after a checkpoint\n"
                                               f"{resumed.killed_stdout}\n{resumed.killed_stderr}")
@@ -375,6 +403,7 @@ def test_demo_data_is_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.quick
 def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched."""
     missing = tmp_path / "no-such-folder"
@@ -457,18 +486,13 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     }
     before = snapshot(tmp_path, tiny_data)
 
-    def run(name):
-        args, _ = cases[name]
-        output_dir = ["--output-dir", tmp_path / "out" / re.sub(r"\W+", "_", name)]
-        try:
-            return run_script(SCRIPT, "--val-fraction", "0.25", *FAST, *output_dir, *args, timeout=60,
-                              env=cpu_env(OMP_NUM_THREADS="1",  # one thread each: they run 3 at a time
-                                          TORCH_HOME=str(torch_home), **NO_NETWORK))
-        except subprocess.TimeoutExpired:
-            return None
+    def args(name, outputs="out"):
+        return ["--val-fraction", "0.25", *FAST, "--output-dir", tmp_path / outputs / re.sub(r"\W+", "_", name),
+                *cases[name][0]]
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        procs = dict(zip(cases, pool.map(run, cases)))
+    # one thread each: they run 3 at a time, each forked from a process that imported torch once (conftest.run_forked)
+    env = cpu_env(OMP_NUM_THREADS="1", TORCH_HOME=str(torch_home), **NO_NETWORK)
+    procs = dict(zip(cases, run_forked(SCRIPT, [args(name) for name in cases], env=env, folder=tmp_path / "forked")))
 
     failures = []
     for name, proc in procs.items():
@@ -491,6 +515,10 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         if problems:
             failures.append(f"{name}: {', '.join(problems)}\n    stderr: {proc.stderr.strip()[-1500:]!r}")
     assert not failures, "\n".join(failures)
+    # and as separate interpreters, `python train_single.py ...`: the same ending, line for line
+    for name in ("--epochs 0", "undecodable image, 2 workers"):
+        alone = run_script(SCRIPT, *args(name, "alone"), timeout=60, env=env)
+        assert (alone.returncode, alone.stderr) == (procs[name].returncode, procs[name].stderr), (name, alone.stderr)
     assert_untouched(before)
 
 
@@ -504,14 +532,20 @@ def test_run_sh_usage():
     assert "usage: bash run.sh MODE" in good.stdout
 
 
-def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, tmp_path):
+def test_weights_with_another_head_then_freeze_trains_only_the_head(short_runs):
     """--weights from a 1000-class torchvision state dict: the head is skipped (shape differs), and with --freeze
     the backbone, BatchNorm statistics included, ends exactly as loaded while the new head learns."""
+    short_runs["weights"].get()
+
+
+def weights_then_freeze(tiny_data, tmp_path):
+    tmp_path.mkdir()
     torch.manual_seed(123)
     pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()
     torch.save(pretrained, tmp_path / "resnet18.pth")
     proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
-                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run")
+                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run",
+                      env=one_thread())
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = load_model_state(tmp_path / "run" / "last.pt")
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}

@@ -82,6 +82,12 @@ def probe_child(opts):
 
     cuda = torch.cuda.is_available()
     root = utils.demo_data()
+    if opts.child_data:  # --tiny: the first 40 images of each class, linked, so that a whole epoch takes seconds
+        root, demo = Path(opts.child_data), root
+        for folder in sorted(path for path in demo.iterdir() if path.is_dir()):
+            (root / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:40]:
+                (root / folder.name / image.name).symlink_to(image)
     classes, train, _ = utils.find_images(root, 0.2)
     result = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": cuda,
               "gpus": torch.cuda.device_count() if cuda else 0,
@@ -658,7 +664,7 @@ def child_env(threads):
 def run_child(opts, what, threads, *args, timeout=None):
     """Run this script as a measuring child; its result line as a dict, plus the lines it printed (timed)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args, "--limit", *map(str, opts.limit),
-           "--timeout", str(opts.timeout)]
+           "--timeout", str(opts.timeout), *(["--tiny"] if opts.tiny else [])]
     code, lines, stderr, others, wall = run_process(cmd, child_env(threads), timeout or opts.timeout)
     found = [line[len(RESULT_TAG):] for _, line in lines if line.startswith(RESULT_TAG)]
     if code != 0 or not found:
@@ -667,8 +673,9 @@ def run_child(opts, what, threads, *args, timeout=None):
 
 
 def run_probe(opts, threads):
+    data = ["--child-data", str(opts.data)] if opts.tiny and not opts.data.exists() else []
     result, lines = run_child(opts, "probe process", threads, "--child-probe", "--loader-batches",
-                              str(opts.loader_batches))
+                              str(opts.loader_batches), *data)
     result["import_s"] = next(t for t, line in lines if line == IMPORTED_TAG)
     return result
 
@@ -742,6 +749,9 @@ def plan(opts, info, threads, nproc, tmp):
             warm, measure = math.ceil(warm / pf) * pf, math.ceil(measure / pf) * pf
         epochs = max(1, math.ceil((warm + measure) / steps_per_epoch))
         args = ["--epochs", str(epochs), "--print-freq", "1" if first_only else str(pf)]
+        if opts.tiny:  # (else the scripts' defaults on the demo data: IMG_SIZE and BATCH); bf16 asked for by name
+            args += ["--img-size", str(IMG_SIZE), "-b", str(BATCH), "--data-path", str(opts.data)]
+            args += ["--amp-dtype", "bf16"] if "amp" in script else []
         if accum > 1:
             args += ["--accum-steps", str(accum)]
 
@@ -866,6 +876,8 @@ def main():
     parser.add_argument("--threads", type=int, help="compute threads of a one-process run; a run of N processes "
                         "gets threads/N each (default: the cores this process may use)")
     parser.add_argument("--quick", action="store_true", help="one repetition and fewer steps (a smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="--quick at a 32-pixel crop, batch 8 and the fewest steps: "
+                        "every figure, none of them telling (the test suite's run)")
     parser.add_argument("--repeats", type=int, help="repetitions of every measurement (default 3, 1 with --quick)")
     parser.add_argument("--output-dir", default="runs/bench", help="where bench.json goes")
     parser.add_argument("--print-freq", type=int, help="--print-freq of the training runs (default: 1 on a CPU, "
@@ -892,7 +904,11 @@ def main():
     parser.add_argument("--child-photos", nargs=4, help=argparse.SUPPRESS)  # folder, shrunk, repeats, seconds
     parser.add_argument("--limit", type=int, nargs=4, help=argparse.SUPPRESS)  # warm-up, steps: CPU, then GPU
     parser.add_argument("--loader-batches", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-data", help=argparse.SUPPRESS)  # --tiny: where the probe links a few demo images
     opts = parser.parse_args()
+    if opts.tiny:  # in the children too (run_child passes it on), so that they measure the same crop and batch
+        global IMG_SIZE, BATCH
+        IMG_SIZE, BATCH, opts.quick = 32, 8, True
     if opts.child_probe:
         return probe_child(opts)
     if opts.child_split:
@@ -958,6 +974,10 @@ def measure(opts, cores, threads, repeats, tmp):
     opts.loader_batches = 6 if quick else 20
     opts.warmup_steps, opts.images = (2, 96) if quick else (3, 640)
     opts.accum_steps_measured = 2 if quick else 5
+    if opts.tiny:
+        opts.limit, opts.loader_batches, opts.warmup_steps, opts.images = (1, 2, 5, 20), 2, 1, 2 * BATCH
+        opts.accum_steps_measured = 1
+        opts.data = tmp / "tiny-data"  # (made by the probe)
 
     info = run_probe(opts, threads)  # first: it also tells whether there is a GPU
     cuda = info["cuda"]
@@ -1039,7 +1059,7 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
                     "platform": platform.platform()}
     r["config"] = {"model": MODEL, "img_size": IMG_SIZE, "batch_per_process": BATCH, "nproc": nproc,
                    "device": "cuda" if cuda else "cpu", "threads_single": threads, "threads_per_process": per_proc,
-                   "repeats": repeats, "quick": opts.quick, "print_freq": opts.print_freq,
+                   "repeats": repeats, "quick": opts.quick, "tiny": opts.tiny, "print_freq": opts.print_freq,
                    "warmup_steps": opts.warmup_steps, "train_images": info["train_images"]}
     r["notes"] = [
         "img/s: steady-state images per second of training, from the scripts' progress lines after the warm-up "
