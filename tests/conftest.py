@@ -539,8 +539,39 @@ def make_amp_run(out, tiny_data, bare, hub_cache):
     return {"dir": out / "run", "proc": proc}
 
 
+def make_ladder_runs(out, tiny_data, bare, hub_cache):
+    """test_ddp.py's references, NAMED_WEIGHTS: one process with batch 16 (single, dp) and 2 x batch 8 through run.sh
+    as a user starts them (launch, ddp: run.sh picks the launcher, a free port, the threads), two at a time, one
+    thread per process. {"dir": out, "dp"|"launch"|"ddp": the CompletedProcess}."""
+    env, data = hub_env(hub_cache), ["--data-path", tiny_data]
+
+    def single(script, name):
+        return ok(run_script(bare / script, *NAMED_WEIGHTS, *data, "-b", "16", "--output-dir", out / name, cwd=bare,
+                             env=env))
+
+    def through_run_sh(mode, *extra):
+        return ok(run_sh(mode, 2, *NAMED_WEIGHTS, *data, "-b", "8", *extra, "--output-dir", out / mode, env=env))
+    _, launch, dp, ddp = side_by_side(lambda: single("train_single.py", "single"), lambda: through_run_sh("launch"),
+                                      lambda: single("train_dp.py", "dp"),
+                                      lambda: through_run_sh("ddp", "--save-every", "2"))
+    return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
+
+
+def make_fsdp_references(out, tiny_data, bare):
+    """test_fsdp.py's two uninterrupted runs, side by side: train_fsdp.py with 2 processes x batch 8 and EXACT, and
+    what a user runs, bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze).
+    {"dir": out, "fsdp": its CompletedProcess, "bn": the folder of the second}."""
+    fsdp, _ = side_by_side(
+        lambda: ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "train_fsdp.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir",
+                            out / "fsdp"], cwd=bare, env=job_env(), timeout=150)),
+        lambda: ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / "bn")))
+    return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
+
+
 AHEAD = {"default_runs": make_default_runs, "exact_single": make_exact_single, "ddp_killed": make_ddp_killed,
-         "fsdp_killed": make_fsdp_killed, "amp_run": make_amp_run}  # each a session fixture of that name
+         "fsdp_killed": make_fsdp_killed, "amp_run": make_amp_run, "ladder_runs": make_ladder_runs,
+         "fsdp_references": make_fsdp_references}  # each a session fixture of that name
 
 
 class Ahead:
@@ -617,6 +648,16 @@ def fsdp_killed(ahead):
 @pytest.fixture(scope="session")
 def amp_run(ahead):
     return ahead.get("amp_run")
+
+
+@pytest.fixture(scope="session")
+def ladder_runs(ahead):
+    return ahead.get("ladder_runs")
+
+
+@pytest.fixture(scope="session")
+def fsdp_references(ahead):
+    return ahead.get("fsdp_references")
 
 
 def kill_mid_epoch(mode, args, output_dir, env=None):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import (REPO, assert_resumed_after, assert_same_weights, deliver, finish, job_env, load_model_state, ok,
-                      popen, read_until, run_job)
+                      outcomes, popen, read_until, run_job)
 
 USER_CODE = '''
 import random
@@ -105,7 +105,7 @@ def command(rung, *args):
 
 
 def env_for(rung):
-    return {**job_env(), "OMP_NUM_THREADS": "2" if rung == "single" else "1"}  # the 2 cores shared
+    return {**job_env(), "OMP_NUM_THREADS": "1"}  # one thread a process: two rungs' jobs run side by side
 
 
 def uninterrupted(rung, project):
@@ -118,22 +118,11 @@ def uninterrupted(rung, project):
     return project / "whole" / "last.pt"
 
 
-@pytest.fixture(scope="module")
-def torchrun_whole(tmp_path_factory):
-    """The torchrun copy's uninterrupted run: the launch copy does the same arithmetic (one micro-step a step, the
-    same sampler, hook and loop), so it is the launch copy's reference too, bit for bit."""
-    return uninterrupted("ddp", users_project(tmp_path_factory.mktemp("torchrun") / "project", RUNGS["ddp"][0]))
-
-
-@pytest.mark.parametrize("rung", list(RUNGS))
-def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, tmp_path, request):
-    script, _, _, saves_on_signal = RUNGS[rung]
-    project = users_project(tmp_path / "project", script)
-    env = env_for(rung)
-    reference = request.getfixturevalue("torchrun_whole") if rung in ("ddp", "launch") else uninterrupted(rung, project)
-
-    # stopped in epoch 2, as SLURM stops a job: SIGTERM to every process, loader workers too
-    job, lines = popen(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project, env=env,
+def stopped_and_resumed(rung, project):
+    """Stopped in epoch 2 as SLURM stops a job (SIGTERM to every process, loader workers too), then --resume auto:
+    the resumed run's last.pt."""
+    saves_on_signal = RUNGS[rung][3]
+    job, lines = popen(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project, env=env_for(rung),
                        timeout=150), []
     seen = read_until(job, lines, "epoch 2/3  step 4/12")
     if seen:
@@ -143,8 +132,28 @@ def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, tmp_path, requ
     assert job.returncode != 0 and not (project / "run" / "results.json").exists(), output[-3000:]
     if saves_on_signal:  # (plain torchrun then exits 1 with its own report; run.sh makes that 143)
         assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
-    resumed = ok(run_job(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project, env=env,
+    resumed = ok(run_job(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project, env=env_for(rung),
                          timeout=150))
     assert_resumed_after(resumed.stdout)
     assert json.loads((project / "run" / "results.json").read_text())["final_acc"] >= 0.9
-    assert_same_weights(load_model_state(project / "run" / "last.pt"), load_model_state(reference))
+    return project / "run" / "last.pt"
+
+
+@pytest.fixture(scope="module")
+def projects(tmp_path_factory):
+    """Each rung's copy: its uninterrupted run (none for launch: the torchrun copy's is its reference, the same
+    arithmetic bit for bit: one micro-step a step, the same sampler, hook and loop) and its stopped and resumed run,
+    each rung's jobs one after the other and two rungs side by side (conftest.outcomes). {rung: Outcome of (the
+    reference's last.pt, the resumed run's)}."""
+    def jobs(rung):
+        project = users_project(tmp_path_factory.mktemp(rung) / "project", RUNGS[rung][0])
+        whole = None if rung == "launch" else uninterrupted(rung, project)
+        return whole, stopped_and_resumed(rung, project)
+    return outcomes(**{rung: lambda rung=rung: jobs(rung) for rung in RUNGS})
+
+
+@pytest.mark.parametrize("rung", list(RUNGS))
+def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, projects):
+    reference = projects["ddp" if rung == "launch" else rung].get()[0]
+    resumed = projects[rung].get()[1]
+    assert_same_weights(load_model_state(resumed), load_model_state(reference))

@@ -43,22 +43,10 @@ def results(folder):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, bare, tmp_path_factory):
-    """The reference runs, started once: single-process batch 16, and the DDP scripts with 2 x batch 8, two at a
-    time (conftest.side_by_side), one thread per process."""
-    out = tmp_path_factory.mktemp("ladder")
-    data = ["--data-path", tiny_data]
-
-    def single(script, name):
-        return ok(run_script(bare / script, *COMMON, *data, "-b", "16", "--output-dir", out / name, cwd=bare,
-                             env=job_env()))
-
-    def through_run_sh(mode, *extra):  # as a user starts them (run.sh picks the launcher, a free port, the threads)
-        return ok(run_sh(mode, 2, *COMMON, *data, "-b", "8", *extra, "--output-dir", out / mode))
-    _, launch, dp, ddp = side_by_side(lambda: single("train_single.py", "single"), lambda: through_run_sh("launch"),
-                                      lambda: single("train_dp.py", "dp"),
-                                      lambda: through_run_sh("ddp", "--save-every", "2"))
-    return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
+def runs(ladder_runs):
+    """The reference runs (conftest.make_ladder_runs): single-process batch 16 (single, dp), and the DDP scripts with
+    2 x batch 8 (launch, ddp)."""
+    return ladder_runs
 
 
 @pytest.mark.quick

@@ -32,14 +32,10 @@ def results(folder):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_data, bare, tmp_path_factory):
-    """The module's two uninterrupted runs, side by side: FSDP with 2 processes x batch 8 and --freeze, and what a
-    user runs, bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
-    out = tmp_path_factory.mktemp("fsdp")
-    fsdp, _ = side_by_side(
-        lambda: ok(torchrun(bare, 2, *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir", out / "fsdp")),
-        lambda: ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / "bn")))
-    return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
+def references(fsdp_references):
+    """The module's two uninterrupted runs (conftest.make_fsdp_references): FSDP with 2 processes x batch 8 and
+    --freeze, and bash run.sh fsdp 2 with default --workers and BatchNorm training."""
+    return fsdp_references
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +236,24 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, bn_jobs):
 
 
 # --------------------------------------------------------------------------- mixed precision, ZeRO-2, HSDP, clipping
-def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, tiny_data, tmp_path):
-    """--amp-dtype bf16 (FSDP's MixedPrecisionPolicy), BatchNorm training, default workers: a hook in a copy of the
-    script sees every BatchNorm take fp32 inputs with fp32 weights and hand bf16 to the next layer, while the
-    convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
-    copy = tmp_path / "copy"
+@pytest.fixture(scope="module")
+def option_jobs(tiny_data, tmp_path_factory):
+    """The 2-process jobs of the next tests, side by side (conftest.outcomes): bf16 in a copy with a dtype hook, ZeRO-3
+    and ZeRO-2 profiled, and clipping at 2 x 8. {name: Outcome}; each job's folder is out / name."""
+    out = tmp_path_factory.mktemp("options")
+    zero = [*DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path", tiny_data]
+    return {"dir": out, **outcomes(
+        bf16=lambda: bf16_with_a_dtype_hook(tiny_data, out),
+        zero3=lambda: ok(torchrun(REPO, 2, *zero, "--reshard-after-forward", "--output-dir", out / "zero3")),
+        zero2=lambda: ok(torchrun(REPO, 2, *zero, "--no-reshard-after-forward", "--output-dir", out / "zero2")),
+        clip_two=lambda: ok(torchrun(REPO, 2, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", "8",
+                                     "--output-dir", out / "clip_two")))}
+
+
+def bf16_with_a_dtype_hook(tiny_data, out):
+    """bash run.sh fsdp 2 --amp-dtype bf16 in a copy of the script whose hook prints the dtypes each BatchNorm and
+    convolution met: (the process, those (layer, input, weight, output) dtypes)."""
+    copy = out / "copy"
     copy.mkdir()
     shutil.copy(REPO / "utils.py", copy)
     hook = ("    seen = set()  # (test) the dtypes each layer type meets\n"
@@ -259,74 +268,79 @@ def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs,
     (copy / "train_fsdp.py").write_text(text.replace(anchor, anchor + hook))
     proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "train_fsdp.py", *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--output-dir",
-                       tmp_path / "bf16"], cwd=copy, env=job_env(), timeout=150))
-    seen = eval(next(line for line in proc.stdout.splitlines() if line.startswith("dtypes "))[7:])
+                       out / "bf16"], cwd=copy, env=job_env(), timeout=150))
+    return eval(next(line for line in proc.stdout.splitlines() if line.startswith("dtypes "))[7:])
+
+
+def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, option_jobs):
+    """--amp-dtype bf16 (FSDP's MixedPrecisionPolicy), BatchNorm training, default workers: a hook in a copy of the
+    script sees every BatchNorm take fp32 inputs with fp32 weights and hand bf16 to the next layer, while the
+    convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
+    seen = option_jobs["bf16"].get()
     assert {d[1:] for d in seen if d[0].endswith("BatchNorm2d")} == {  # (FSDPBatchNorm2d once sharded on its own)
         ("torch.float32", "torch.float32", "torch.bfloat16")}, seen
     assert {d[1:3] for d in seen if d[0] == "Conv2d"} == {("torch.bfloat16", "torch.bfloat16")}, seen
-    state = load_model_state(tmp_path / "bf16" / "last.pt")
+    out = option_jobs["dir"]
+    state = load_model_state(out / "bf16" / "last.pt")
     assert state["bn1.weight"].dtype == state["bn1.running_var"].dtype == torch.float32
-    bf16, amp = results(tmp_path / "bf16"), results(default_runs / "amp")
+    bf16, amp = results(out / "bf16"), results(default_runs / "amp")
     assert bf16["best_acc"] > 0.5 and amp["best_acc"] > 0.5, (bf16, amp)  # chance: 6 of 17
 
 
-def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(tiny_data, tmp_path):
+def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(option_jobs):
     """ZeRO-3 (the default) gathers each residual block's weights for its forward and again for its backward: 8
     blocks x 2 + the root's once (the root is not resharded) = 17 all-gathers a step; ZeRO-2
     (--no-reshard-after-forward) keeps them gathered: 9. The same arithmetic, so bitwise the same weights. BatchNorm
     training (every block has gradients), 6 steps an epoch, steps 4 and 5 profiled."""
-    args = [*DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path", tiny_data]
-    for name, flag in (("zero3", "--reshard-after-forward"), ("zero2", "--no-reshard-after-forward")):
-        ok(torchrun(REPO, 2, *args, flag, "--output-dir", tmp_path / name))
-    counts = {name: collectives_per_step(tmp_path / name / "trace.json") for name in ("zero3", "zero2")}
+    option_jobs["zero3"].get(), option_jobs["zero2"].get()
+    out = option_jobs["dir"]
+    counts = {name: collectives_per_step(out / name / "trace.json") for name in ("zero3", "zero2")}
     assert counts["zero3"]["allgather"] == 17 and counts["zero2"]["allgather"] == 9, counts
     assert counts["zero3"]["reduce_scatter"] == counts["zero2"]["reduce_scatter"] == 9, counts
-    assert_same_weights(load_model_state(tmp_path / "zero2" / "last.pt"),
-                        load_model_state(tmp_path / "zero3" / "last.pt"))
-    assert results(tmp_path / "zero2")["bytes_per_rank"] == results(tmp_path / "zero3")["bytes_per_rank"]
+    assert_same_weights(load_model_state(out / "zero2" / "last.pt"), load_model_state(out / "zero3" / "last.pt"))
+    assert results(out / "zero2")["bytes_per_rank"] == results(out / "zero3")["bytes_per_rank"]
 
 
 def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(runs, tiny_data, bare, tmp_path):
-    """--hsdp 2 on 4 processes: 2 replicas, each sharded over 2 (a 2-D mesh), batch 4 each: the weights of one
-    process with batch 16 and of FSDP 2 x 8 within TOL (the gradients reduced in another order). Killed mid-epoch
-    (--save-every 1), its sharded checkpoint continues at HSDP 2 x 2 to the uninterrupted weights bit for bit, and
-    at FSDP 3 from the same sample."""
+    """--hsdp 2 on 4 processes: 2 replicas, each sharded over 2 (a 2-D mesh), batch 4 each. Killed mid-epoch
+    (--save-every 1), its sharded checkpoint continues at HSDP 2 x 2 to the weights of one process with batch 16 and of
+    FSDP 2 x 8 within TOL (the gradients reduced in another order; a lost sample or momentum moves them 1e-3 or more),
+    and at FSDP 3 from the same sample. (The bitwise resume at the same shape: the FSDP tests above.)"""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
-    hsdp = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--output-dir", tmp_path / "whole", timeout=200))
-    assert "global batch 16 = 4 per process x 4 processes" in hsdp.stdout
-    sharded = results(tmp_path / "whole")["bytes_per_rank"]["params"]  # over 2 processes, not 4
-    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
-                                    rel=0.01), sharded
-    whole = load_model_state(tmp_path / "whole" / "last.pt")
-    for reference in ("single", "fsdp"):
-        assert_same_weights(whole, load_model_state(runs["dir"] / reference / "last.pt"), atol=TOL)
     job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "killed"], cwd=bare,
                        env=job_env(), timeout=200), []
     if read_until(job, lines, "epoch 2/2  step 1/3"):  # step 3 saved by now, step 4 perhaps
         deliver(job, "every process", signal.SIGKILL)
-    finish(job, lines, timeout=60)
+    output = finish(job, lines, timeout=60)
+    assert "global batch 16 = 4 per process x 4 processes" in output, output[-3000:]
     checkpoint = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
     shutil.copytree(tmp_path / "killed", tmp_path / "saved")
     again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "killed",
                         timeout=200))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
-    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), whole)
+    sharded = results(tmp_path / "killed")["bytes_per_rank"]["params"]  # over 2 processes, not 4
+    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
+                                    rel=0.01), sharded
+    resumed = load_model_state(tmp_path / "killed" / "last.pt")
+    for reference in (runs["single"], runs["dir"] / "fsdp"):
+        assert_same_weights(resumed, load_model_state(reference / "last.pt"), atol=TOL)
     three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
                         tmp_path / "three", timeout=200))
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
     assert_resumed_after(three.stdout)
 
 
-def test_clip_grad_clips_the_global_norm_of_the_shards(runs, tiny_data, bare, tmp_path):
-    """--clip-grad on the DTensor gradients: 2 x batch 8 and 4 x batch 4 (each rank a different shard of the head)
-    end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and away from the unclipped
-    2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
-    args = [*COMMON, "--data-path", tiny_data, "--clip-grad", "0.01"]
-    ok(torchrun(bare, 2, *args, "-b", "8", "--output-dir", tmp_path / "two"))
-    ok(torchrun(bare, 4, *args, "-b", "4", "--output-dir", tmp_path / "four", timeout=200))
-    two, four = (load_model_state(tmp_path / name / "last.pt") for name in ("two", "four"))
+def test_clip_grad_clips_the_global_norm_of_the_shards(runs, option_jobs, tiny_data, bare, tmp_path):
+    """--clip-grad on the DTensor gradients: 2 x batch 8 (option_jobs) and 4 x batch 4 (each rank a different shard of
+    the head) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and away from the
+    unclipped 2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
+    ok(torchrun(bare, 4, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", "4", "--output-dir",
+                tmp_path / "four", timeout=200))
+    option_jobs["clip_two"].get()
+    two, four = (load_model_state(folder / "last.pt") for folder in (option_jobs["dir"] / "clip_two",
+                                                                     tmp_path / "four"))
     assert_same_weights(two, four, atol=TOL)
     free = load_model_state(runs["dir"] / "fsdp" / "last.pt")
     assert (two["fc.weight"] - free["fc.weight"]).abs().max() > 100 * TOL

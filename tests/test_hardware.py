@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import utils
-from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run_job, run_sh
+from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run_job, run_sh, side_by_side
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
@@ -64,19 +64,22 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
     args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
-    refused = run_sh("amp", 1, *args, "--output-dir", tmp_path / "refused", env=job_env(**AVX2_ONLY))
+    doctor = [sys.executable, "tools/doctor.py", "--no-allreduce"]
+    refused, asked, doctor, native = side_by_side(  # (one process each)
+        lambda: run_sh("amp", 1, *args, "--output-dir", tmp_path / "refused", env=job_env(**AVX2_ONLY)),
+        lambda: run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", tmp_path / "asked",
+                       env=job_env(**AVX2_ONLY)),
+        lambda: run_job(doctor, env=job_env(**AVX2_ONLY), timeout=120),
+        lambda: run_job(doctor, env=job_env(), timeout=120))
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
     assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "last.pt").exists()
-    asked = ok(run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", tmp_path / "asked",
-                      env=job_env(**AVX2_ONLY)))
+    ok(asked)
     assert asked.stdout.count("warning: this CPU has no bf16 arithmetic") == 1, asked.stdout[-2000:]
     assert (tmp_path / "asked" / "results.json").exists()
-    doctor = run_job([sys.executable, "tools/doctor.py", "--no-allreduce"], env=job_env(**AVX2_ONLY), timeout=120)
     assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
         doctor.stdout
-    native = run_job([sys.executable, "tools/doctor.py", "--no-allreduce"], env=job_env(), timeout=120)
     if utils.cpu_computes_bf16():  # this machine's own CPU
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
 
