@@ -574,17 +574,40 @@ AHEAD = {"default_runs": make_default_runs, "exact_single": make_exact_single, "
          "fsdp_references": make_fsdp_references}  # each a session fixture of that name
 
 
+def ahead_fixture(make):
+    """A session fixture named as make(out, **needs), whose value Ahead makes in its thread; for a test module's
+    reference runs. Its needs: session fixtures (tiny_data, bare, hub_cache) or other AHEAD names, made before it."""
+    assert make.__name__ not in AHEAD, f"two AHEAD runs named {make.__name__}"
+    AHEAD[make.__name__] = make
+
+    @pytest.fixture(scope="session", name=make.__name__)
+    def made(ahead):
+        return ahead.get(make.__name__)
+    return made
+
+
 class Ahead:
     """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits."""
 
     def __init__(self, request, tmp_path_factory):
-        used = dict.fromkeys(name for item in request.session.items for name in item.fixturenames if name in AHEAD)
+        used = []
+
+        def use(name):  # after the AHEAD runs it needs
+            for need in list(inspect.signature(AHEAD[name]).parameters)[1:]:
+                if need in AHEAD and need not in used:
+                    use(need)
+            if name not in used:
+                used.append(name)
+        for name in dict.fromkeys(name for item in request.session.items for name in item.fixturenames
+                                  if name in AHEAD):
+            use(name)
         self.quiet, self.stopping, self.made = threading.Lock(), False, {name: concurrent.futures.Future()
                                                                            for name in used}
         self.jobs = []
-        for name in used:  # what each needs, made here first: quick, and not thread-safe
+        for name in used:  # what each needs, made here first (quick, and not thread-safe), or by an earlier run
             needs = list(inspect.signature(AHEAD[name]).parameters)[1:]
-            self.jobs.append((name, tmp_path_factory.mktemp(name), {n: request.getfixturevalue(n) for n in needs}))
+            self.jobs.append((name, tmp_path_factory.mktemp(name),
+                              {n: n if n in AHEAD else request.getfixturevalue(n) for n in needs}))
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
@@ -595,7 +618,8 @@ class Ahead:
                     self.made[name].cancel()
                     continue
                 try:
-                    self.made[name].set_result(AHEAD[name](out, **needs))
+                    made = {n: self.get(n) if n in AHEAD else value for n, value in needs.items()}
+                    self.made[name].set_result(AHEAD[name](out, **made))
                 except Exception as error:  # the fixture raises it, for each test that uses it
                     self.made[name].set_exception(error)
 

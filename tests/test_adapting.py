@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from conftest import (REPO, assert_resumed_after, assert_same_weights, deliver, finish, job_env, load_model_state, ok,
-                      outcomes, popen, read_until, run_job)
+from conftest import (REPO, ahead_fixture, assert_resumed_after, assert_same_weights, deliver, finish, job_env,
+                      load_model_state, ok, outcomes, popen, read_until, run_job)
 
 USER_CODE = '''
 import random
@@ -139,21 +139,22 @@ def stopped_and_resumed(rung, project):
     return project / "run" / "last.pt"
 
 
-@pytest.fixture(scope="module")
-def projects(tmp_path_factory):
+@ahead_fixture
+def adapting_projects(out):
     """Each rung's copy: its uninterrupted run (none for launch: the torchrun copy's is its reference, the same
     arithmetic bit for bit: one micro-step a step, the same sampler, hook and loop) and its stopped and resumed run,
-    each rung's jobs one after the other and two rungs side by side (conftest.outcomes). {rung: Outcome of (the
-    reference's last.pt, the resumed run's)}."""
+    each rung's jobs one after the other and two rungs side by side (conftest.outcomes); made ahead (conftest.Ahead).
+    {rung: Outcome of (the reference's last.pt, the resumed run's)}."""
     def jobs(rung):
-        project = users_project(tmp_path_factory.mktemp(rung) / "project", RUNGS[rung][0])
+        (out / rung).mkdir()
+        project = users_project(out / rung / "project", RUNGS[rung][0])
         whole = None if rung == "launch" else uninterrupted(rung, project)
         return whole, stopped_and_resumed(rung, project)
     return outcomes(**{rung: lambda rung=rung: jobs(rung) for rung in RUNGS})
 
 
 @pytest.mark.parametrize("rung", list(RUNGS))
-def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, projects):
-    reference = projects["ddp" if rung == "launch" else rung].get()[0]
-    resumed = projects[rung].get()[1]
+def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, adapting_projects):
+    reference = adapting_projects["ddp" if rung == "launch" else rung].get()[0]
+    resumed = adapting_projects[rung].get()[1]
     assert_same_weights(load_model_state(resumed), load_model_state(reference))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import utils
-from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, assert_resumed_after, assert_same_weights,
-                      collectives_per_step, finish, free_port, job_env, kill_job, load_model_state, make_dataset, ok,
-                      outcomes, popen, run_job, run_script, run_sh, side_by_side)
+from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, ahead_fixture, assert_resumed_after, assert_same_weights,
+                      collectives_per_step, finish, free_port, hub_env, job_env, kill_job, load_model_state,
+                      make_dataset, ok, outcomes, popen, run_job, run_script, run_sh, side_by_side)
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -33,9 +33,9 @@ def offline_hub(hub_cache):
         yield
 
 
-def torchrun(cwd, nproc, script, *args, launcher="torch.distributed.run", extra=(), timeout=150):
+def torchrun(cwd, nproc, script, *args, launcher="torch.distributed.run", extra=(), timeout=150, env=None):
     return run_job([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", *extra, script, *args],
-                   cwd=cwd, env=job_env(), timeout=timeout)
+                   cwd=cwd, env=env or job_env(), timeout=timeout)
 
 
 def results(folder):
@@ -109,29 +109,30 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), name
 
 
-@pytest.fixture(scope="module")
-def side_jobs(runs, amp_run, tiny_data, bare, tmp_path_factory):
-    """The jobs of three tests side by side (conftest.outcomes): accumulation (plain and accumulated, profiled),
-    clipping, two nodes. {name: Outcome}."""
-    out = tmp_path_factory.mktemp("side_jobs")
+@ahead_fixture
+def ddp_side_jobs(out, ladder_runs, tiny_data, bare, hub_cache):
+    """The jobs of three tests side by side (conftest.outcomes), made ahead (conftest.Ahead; the hub cache and no
+    network given to each, as offline_hub gives them here): accumulation (plain and accumulated, profiled), clipping,
+    two nodes. {name: Outcome}."""
+    env = hub_env(hub_cache)
 
     def profiled(name, batch, accum):
         return ok(torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", batch,
                            "--accum-steps", accum, "--sync-bn", "--print-freq", "10", "--profile", "2",
-                           "--output-dir", out / name))
+                           "--output-dir", out / name, env=env))
     return {"dir": out, **outcomes(
         plain=lambda: profiled("plain", 4, 1), accum=lambda: profiled("accum", 2, 2),
         clipped=lambda: ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8",
-                                    "--clip-grad", CLIP, "--output-dir", out / "clipped")),
-        nodes=lambda: two_nodes(runs, tiny_data, out / "nodes"))}
+                                    "--clip-grad", CLIP, "--output-dir", out / "clipped", env=env)),
+        nodes=lambda: two_nodes(ladder_runs, tiny_data, out / "nodes", env))}
 
 
-def test_accumulation_all_reduces_once_per_optimizer_step(side_jobs):
+def test_accumulation_all_reduces_once_per_optimizer_step(ddp_side_jobs):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many gradient all-reduces per optimizer
     step, not twice as many. Counted from --profile's trace by tools/profile_report.py (nothing is hooked into DDP):
     6 steps an epoch, and no progress line, stop vote or evaluation in the profiled steps 4 and 5."""
-    side_jobs["plain"].get()
-    proc, out = side_jobs["accum"].get(), side_jobs["dir"]
+    ddp_side_jobs["plain"].get()
+    proc, out = ddp_side_jobs["accum"].get(), ddp_side_jobs["dir"]
     assert_same_weights(load_model_state(out / "accum" / "last.pt"), load_model_state(out / "plain" / "last.pt"),
                         atol=TOL)
     plain, accum = (collectives_per_step(out / name / "trace.json") for name in ("plain", "accum"))
@@ -206,14 +207,14 @@ def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
 CLIP = 1e-3
 
 
-def test_clip_grad_bounds_each_step(amp_run, side_jobs):
+def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs):
     """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
-    clip, proc = CLIP, side_jobs["clipped"].get()
+    clip, proc = CLIP, ddp_side_jobs["clipped"].get()
     torch.manual_seed(0)  # the scripts' seed: the head starts as this model's
     initial = utils.torchvision_model("resnet18", 3).state_dict()
     moved = {}
-    for name, folder in (("clipped", side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
+    for name, folder in (("clipped", ddp_side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
         state = load_model_state(folder / "last.pt")
         moved[name] = torch.cat([(state[k] - initial[k]).flatten() for k in ("fc.weight", "fc.bias")]).norm().item()
     # SGD with momentum 0.9 and weight decay 1e-4: each step moves the head by at most lr x 10 x (the clipped
@@ -222,13 +223,13 @@ def test_clip_grad_bounds_each_step(amp_run, side_jobs):
     assert moved["clipped"] <= bound < moved["unclipped"] / 10, (moved, bound)
 
 
-def test_two_nodes_match_one_node(side_jobs):
+def test_two_nodes_match_one_node(ddp_side_jobs):
     """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh (two_nodes)."""
-    side_jobs["nodes"].get()
+    ddp_side_jobs["nodes"].get()
 
 
-def two_nodes(runs, tiny_data, tmp_path):
-    env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
+def two_nodes(runs, tiny_data, tmp_path, env):
+    env = dict(env, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
     cmd = ["bash", "run.sh", "ddp", "1", *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir",
            tmp_path / "nodes"]
     nodes = [popen(cmd, env=env, timeout=200) for _ in range(2)]

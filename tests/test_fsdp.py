@@ -13,7 +13,7 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step,
+from conftest import (DEFAULTS, EXACT, REPO, ahead_fixture, assert_resumed_after, assert_same_weights, checkpoint_step,
                       collectives_per_step, deliver, finish, job_env, load_model_state, ok, outcomes, popen,
                       read_until, run_job, run_sh, side_by_side, start)
 from test_ddp import run_and_kill_one_worker
@@ -79,12 +79,11 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
 
 
-@pytest.fixture(scope="module")
-def short_jobs(runs, tiny_data, bare, tmp_path_factory):
-    """The next two tests' jobs, side by side: {name: conftest.Outcome of the job}."""
-    out = tmp_path_factory.mktemp("short")
+@ahead_fixture
+def fsdp_short_jobs(out, exact_single, tiny_data, bare):
+    """The next two tests' jobs, side by side, made ahead (conftest.Ahead): {name: conftest.Outcome of the job}."""
     return outcomes(
-        another=lambda: torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", runs["single"] / "last.pt",
+        another=lambda: torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", exact_single / "last.pt",
                                  "--output-dir", out / "another"),
         **{name: lambda batch=batch, accum=accum, name=name: ok(torchrun(
             bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum, "--print-freq", "10",
@@ -92,20 +91,20 @@ def short_jobs(runs, tiny_data, bare, tmp_path_factory):
            for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2))})
 
 
-def test_resume_from_another_scripts_checkpoint_says_what_to_use(short_jobs):
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(fsdp_short_jobs):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = short_jobs["another"].get()
+    proc = fsdp_short_jobs["another"].get()
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
     assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
 
 
-def test_accumulation_reduce_scatters_on_the_last_micro_step_only(short_jobs):
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(fsdp_short_jobs):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many reduce-scatters per optimizer step,
     not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted from the
     trace by tools/profile_report.py (see test_ddp.py's accumulation test); the all-gathers double (two forwards)."""
-    plain_dir, accum_dir = short_jobs["plain"].get(), short_jobs["accum"].get()
+    plain_dir, accum_dir = fsdp_short_jobs["plain"].get(), fsdp_short_jobs["accum"].get()
     assert_same_weights(load_model_state(accum_dir / "last.pt"), load_model_state(plain_dir / "last.pt"), atol=TOL)
     plain, accum = (collectives_per_step(folder / "trace.json") for folder in (plain_dir, accum_dir))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
@@ -143,17 +142,16 @@ def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
 
-@pytest.fixture(scope="module")
-def interrupted(runs, references, tiny_data, bare, tmp_path_factory):
+@ahead_fixture
+def fsdp_interrupted(out, fsdp_references, tiny_data, bare):
     """The next test's elastic restart and the SIGTERM test's job side by side, each killed or stopped by its own
-    events: {name: conftest.Outcome}."""
-    out = tmp_path_factory.mktemp("interrupted")
-    return outcomes(elastic=lambda: elastic_restart(runs, tiny_data, bare, out / "elastic"),
-                    sigterm=lambda: sigterm_and_resume(references["bn"], tiny_data, out / "sigterm"))
+    events, made ahead (conftest.Ahead): {name: conftest.Outcome}."""
+    return outcomes(elastic=lambda: elastic_restart(fsdp_references, tiny_data, bare, out / "elastic"),
+                    sigterm=lambda: sigterm_and_resume(fsdp_references["bn"], tiny_data, out / "sigterm"))
 
 
-def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(interrupted):
-    interrupted["elastic"].get()
+def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(fsdp_interrupted):
+    fsdp_interrupted["elastic"].get()
 
 
 def elastic_restart(runs, tiny_data, bare, tmp_path):
@@ -177,11 +175,11 @@ def trained_bn(references):
     return references["bn"]
 
 
-@pytest.fixture(scope="module")
-def bn_jobs(trained_bn, tiny_data, tmp_path_factory):
-    """Two tests' jobs side by side: --test-only of trained_bn's last.pt at 2 processes, and one epoch of BatchNorm
-    training at 3. {name: conftest.Outcome of its output folder}."""
-    out = tmp_path_factory.mktemp("bn_jobs")
+@ahead_fixture
+def fsdp_bn_jobs(out, fsdp_references, tiny_data):
+    """Two tests' jobs side by side, made ahead (conftest.Ahead): --test-only of trained_bn's last.pt at 2 processes,
+    and one epoch of BatchNorm training at 3. {name: conftest.Outcome of its output folder}."""
+    trained_bn = fsdp_references["bn"]
     return outcomes(
         evaluated=lambda: ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path",
                                       tiny_data, "--img-size", "32", "--val-fraction", "0.25", "--output-dir",
@@ -191,17 +189,17 @@ def bn_jobs(trained_bn, tiny_data, tmp_path_factory):
                                   "--output-dir", out / "3")) and out / "3")
 
 
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, bn_jobs):
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, fsdp_bn_jobs):
     """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
     the logged figure is what --test-only measures on last.pt."""
-    logged, evaluated = results(trained_bn), results(bn_jobs["evaluated"].get())
+    logged, evaluated = results(trained_bn), results(fsdp_bn_jobs["evaluated"].get())
     assert evaluated["val_count"] == logged["val_count"] == 17
     assert evaluated["val_acc"] == logged["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
 
 
-def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(interrupted):
-    interrupted["sigterm"].get()
+def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(fsdp_interrupted):
+    fsdp_interrupted["sigterm"].get()
 
 
 def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
@@ -219,11 +217,11 @@ def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
 
 
-def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, bn_jobs):
+def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, fsdp_bn_jobs):
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
     (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3
     (bn_jobs), against the whole model's float32 bytes."""
-    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(bn_jobs["three"].get())["bytes_per_rank"]}
+    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(fsdp_bn_jobs["three"].get())["bytes_per_rank"]}
     size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
     whole = {"params": size, "grads": size, "optimizer": size}
     for nproc, figures in per_rank.items():
@@ -236,11 +234,10 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, bn_jobs):
 
 
 # --------------------------------------------------------------------------- mixed precision, ZeRO-2, HSDP, clipping
-@pytest.fixture(scope="module")
-def option_jobs(tiny_data, tmp_path_factory):
-    """The 2-process jobs of the next tests, side by side (conftest.outcomes): bf16 in a copy with a dtype hook, ZeRO-3
-    and ZeRO-2 profiled, and clipping at 2 x 8. {name: Outcome}; each job's folder is out / name."""
-    out = tmp_path_factory.mktemp("options")
+@ahead_fixture
+def fsdp_option_jobs(out, tiny_data):
+    """The 2-process jobs of the next tests, side by side, made ahead (conftest.Ahead): bf16 in a copy with a dtype
+    hook, ZeRO-3 and ZeRO-2 profiled, and clipping at 2 x 8. {name: Outcome}; each job's folder is out / name."""
     zero = [*DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path", tiny_data]
     return {"dir": out, **outcomes(
         bf16=lambda: bf16_with_a_dtype_hook(tiny_data, out),
@@ -272,28 +269,28 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     return eval(next(line for line in proc.stdout.splitlines() if line.startswith("dtypes "))[7:])
 
 
-def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, option_jobs):
+def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, fsdp_option_jobs):
     """--amp-dtype bf16 (FSDP's MixedPrecisionPolicy), BatchNorm training, default workers: a hook in a copy of the
     script sees every BatchNorm take fp32 inputs with fp32 weights and hand bf16 to the next layer, while the
     convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
-    seen = option_jobs["bf16"].get()
+    seen = fsdp_option_jobs["bf16"].get()
     assert {d[1:] for d in seen if d[0].endswith("BatchNorm2d")} == {  # (FSDPBatchNorm2d once sharded on its own)
         ("torch.float32", "torch.float32", "torch.bfloat16")}, seen
     assert {d[1:3] for d in seen if d[0] == "Conv2d"} == {("torch.bfloat16", "torch.bfloat16")}, seen
-    out = option_jobs["dir"]
+    out = fsdp_option_jobs["dir"]
     state = load_model_state(out / "bf16" / "last.pt")
     assert state["bn1.weight"].dtype == state["bn1.running_var"].dtype == torch.float32
     bf16, amp = results(out / "bf16"), results(default_runs / "amp")
     assert bf16["best_acc"] > 0.5 and amp["best_acc"] > 0.5, (bf16, amp)  # chance: 6 of 17
 
 
-def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(option_jobs):
+def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(fsdp_option_jobs):
     """ZeRO-3 (the default) gathers each residual block's weights for its forward and again for its backward: 8
     blocks x 2 + the root's once (the root is not resharded) = 17 all-gathers a step; ZeRO-2
     (--no-reshard-after-forward) keeps them gathered: 9. The same arithmetic, so bitwise the same weights. BatchNorm
     training (every block has gradients), 6 steps an epoch, steps 4 and 5 profiled."""
-    option_jobs["zero3"].get(), option_jobs["zero2"].get()
-    out = option_jobs["dir"]
+    fsdp_option_jobs["zero3"].get(), fsdp_option_jobs["zero2"].get()
+    out = fsdp_option_jobs["dir"]
     counts = {name: collectives_per_step(out / name / "trace.json") for name in ("zero3", "zero2")}
     assert counts["zero3"]["allgather"] == 17 and counts["zero2"]["allgather"] == 9, counts
     assert counts["zero3"]["reduce_scatter"] == counts["zero2"]["reduce_scatter"] == 9, counts
@@ -332,14 +329,14 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     assert_resumed_after(three.stdout)
 
 
-def test_clip_grad_clips_the_global_norm_of_the_shards(runs, option_jobs, tiny_data, bare, tmp_path):
-    """--clip-grad on the DTensor gradients: 2 x batch 8 (option_jobs) and 4 x batch 4 (each rank a different shard of
-    the head) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and away from the
-    unclipped 2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
+def test_clip_grad_clips_the_global_norm_of_the_shards(runs, fsdp_option_jobs, tiny_data, bare, tmp_path):
+    """--clip-grad on the DTensor gradients: 2 x batch 8 (fsdp_option_jobs) and 4 x batch 4 (each rank a different
+    shard of the head) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and away from
+    the unclipped 2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
     ok(torchrun(bare, 4, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", "4", "--output-dir",
                 tmp_path / "four", timeout=200))
-    option_jobs["clip_two"].get()
-    two, four = (load_model_state(folder / "last.pt") for folder in (option_jobs["dir"] / "clip_two",
+    fsdp_option_jobs["clip_two"].get()
+    two, four = (load_model_state(folder / "last.pt") for folder in (fsdp_option_jobs["dir"] / "clip_two",
                                                                      tmp_path / "four"))
     assert_same_weights(two, four, atol=TOL)
     free = load_model_state(runs["dir"] / "fsdp" / "last.pt")

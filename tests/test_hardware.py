@@ -14,6 +14,7 @@ from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, r
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
 
+@pytest.mark.alone  # it changes this process's environment, which a run made ahead would inherit
 def test_default_loader_workers_follow_the_cores(monkeypatch):
     """With a GPU: the cores per process on this node, less the one that trains; on a CPU: 1 (the training
     threads use the cores; docs/performance.md)."""
@@ -112,6 +113,7 @@ def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
     assert slow - quick == pytest.approx(5 * runs, abs=1)
 
 
+@pytest.mark.alone  # it changes this process's environment, which a run made ahead would inherit
 def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsys, tmp_path):
     """An NVIDIA device on the machine (here: a stand-in nvidia-smi) and a torch that cannot use CUDA (a wheel built
     for a newer driver): one error line and exit status 1, not "skipped"."""

@@ -14,9 +14,9 @@ import uuid
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after, assert_same_weights,
-                      checkpoint_step, children, command, deliver, descendants, finish, job_env, kill_job,
-                      load_model_state, ok, outcomes, ranks, read_until, run_sh, side_by_side, start)
+from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_resumed_after,
+                      assert_same_weights, checkpoint_step, children, command, deliver, descendants, finish, job_env,
+                      kill_job, load_model_state, ok, outcomes, ranks, read_until, run_sh, side_by_side, start)
 
 def stop_and_resume(mode, how, signum, reference, tiny_data, folder):
     """bash run.sh MODE 2 with the defaults, stopped by signum (delivered `how`, conftest.deliver) after its first
@@ -54,12 +54,11 @@ def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, 
                    for how in ("agent", "every process")])
 
 
-@pytest.fixture(scope="module")
-def side_jobs(default_runs, tiny_data, tmp_path_factory):
-    """The jobs of three tests below, two at a time (conftest.outcomes), each stopped, killed or failed by its own
-    events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal must land within the fraction
-    of a second that evaluation takes here.)"""
-    out = tmp_path_factory.mktemp("preemption")
+@ahead_fixture
+def preemption_jobs(out, default_runs, tiny_data):
+    """The jobs of three tests below, two at a time (conftest.outcomes), made ahead (conftest.Ahead), each stopped,
+    killed or failed by its own events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal
+    must land within the fraction of a second that evaluation takes here.)"""
     ddp, amp = default_runs / "ddp", default_runs / "amp"
     return outcomes(ctrl_c=lambda: stop_and_resume("amp", "group", signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
                     elastic=lambda: elastic_restart(ddp, tiny_data, out / "elastic"),
@@ -67,9 +66,9 @@ def side_jobs(default_runs, tiny_data, tmp_path_factory):
                     diverging_ddp=lambda: diverge("ddp", tiny_data, out / "ddp"))
 
 
-def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(side_jobs):
+def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(preemption_jobs):
     """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung (stop_and_resume)."""
-    side_jobs["ctrl_c"].get()
+    preemption_jobs["ctrl_c"].get()
 
 
 @pytest.mark.alone  # its signal must land within a fraction of a second (conftest.Ahead)
@@ -127,8 +126,8 @@ def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_d
     assert_gone(pids)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(side_jobs):
-    side_jobs["elastic"].get()
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(preemption_jobs):
+    preemption_jobs["elastic"].get()
 
 
 def elastic_restart(reference, tiny_data, folder):
@@ -166,10 +165,10 @@ def diverge(mode, tiny_data, folder):
         assert not broken, (mode, path.name, broken)
 
 
-def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(side_jobs):
+def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(preemption_jobs):
     """bash run.sh single and ddp 2 with --lr 1e6 (diverge)."""
     for mode in ("single", "ddp"):
-        side_jobs[f"diverging_{mode}"].get()
+        preemption_jobs[f"diverging_{mode}"].get()
 
 
 @pytest.mark.parametrize("mode", ["single", "dp", "launch"])
