@@ -299,30 +299,32 @@ def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(fsdp_option
 
 
 def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(runs, tiny_data, bare, tmp_path):
-    """--hsdp 2 on 4 processes: 2 replicas, each sharded over 2 (a 2-D mesh), batch 4 each. Killed mid-epoch
-    (--save-every 1), its sharded checkpoint continues at HSDP 2 x 2 to the weights of one process with batch 16 and of
-    FSDP 2 x 8 within TOL (the gradients reduced in another order; a lost sample or momentum moves them 1e-3 or more),
-    and at FSDP 3 from the same sample. (The bitwise resume at the same shape: the FSDP tests above.)"""
+    """--hsdp 2 on 4 processes: 2 replicas, each sharded over 2 (a 2-D mesh), batch 4 each: the weights of one
+    process with batch 16 and of FSDP 2 x 8 within TOL (the gradients reduced in another order). Killed mid-epoch
+    (--save-every 1), its sharded checkpoint continues at HSDP 2 x 2 to the uninterrupted weights bit for bit, and
+    at FSDP 3 from the same sample."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
+    hsdp = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--output-dir", tmp_path / "whole", timeout=200))
+    assert "global batch 16 = 4 per process x 4 processes" in hsdp.stdout
+    sharded = results(tmp_path / "whole")["bytes_per_rank"]["params"]  # over 2 processes, not 4
+    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
+                                    rel=0.01), sharded
+    whole = load_model_state(tmp_path / "whole" / "last.pt")
+    for reference in (runs["single"], runs["dir"] / "fsdp"):
+        assert_same_weights(whole, load_model_state(reference / "last.pt"), atol=TOL)
     job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "killed"], cwd=bare,
                        env=job_env(), timeout=200), []
     if read_until(job, lines, "epoch 2/2  step 1/3"):  # step 3 saved by now, step 4 perhaps
         deliver(job, "every process", signal.SIGKILL)
-    output = finish(job, lines, timeout=60)
-    assert "global batch 16 = 4 per process x 4 processes" in output, output[-3000:]
+    finish(job, lines, timeout=60)
     checkpoint = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
     shutil.copytree(tmp_path / "killed", tmp_path / "saved")
     again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "killed",
                         timeout=200))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
-    sharded = results(tmp_path / "killed")["bytes_per_rank"]["params"]  # over 2 processes, not 4
-    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
-                                    rel=0.01), sharded
-    resumed = load_model_state(tmp_path / "killed" / "last.pt")
-    for reference in (runs["single"], runs["dir"] / "fsdp"):
-        assert_same_weights(resumed, load_model_state(reference / "last.pt"), atol=TOL)
+    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), whole)
     three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
                         tmp_path / "three", timeout=200))
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
