@@ -501,14 +501,31 @@ def bare(tmp_path_factory):
     return folder
 
 
-def make_default_runs(out, tiny_data):
+AHEAD = {}  # name: the function that makes it (ahead_fixture)
+
+
+def ahead_fixture(make):
+    """A session fixture named as make(out, **needs), whose value Ahead makes in its thread; for a test module's
+    reference runs. Its needs: session fixtures (tiny_data, bare, hub_cache) or other AHEAD names, made before it."""
+    assert make.__name__ not in AHEAD, f"two AHEAD runs named {make.__name__}"
+    AHEAD[make.__name__] = make
+
+    @pytest.fixture(scope="session", name=make.__name__)
+    def made(ahead):
+        return ahead.get(make.__name__)
+    return made
+
+
+@ahead_fixture
+def default_runs(out, tiny_data):
     """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh."""
     side_by_side(*[lambda mode=mode: ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path",
                                                tiny_data, "--output-dir", out / mode)) for mode in ("ddp", "amp")])
     return out
 
 
-def make_exact_single(out, tiny_data, bare):
+@ahead_fixture
+def exact_single(out, tiny_data, bare):
     """The reference of the --freeze runs that are not test_ddp.py's: train_single.py (copied out), batch 16, EXACT.
     Its run folder."""
     ok(run_script(bare / "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir",
@@ -516,7 +533,8 @@ def make_exact_single(out, tiny_data, bare):
     return out / "single"
 
 
-def make_ddp_killed(out, tiny_data):
+@ahead_fixture
+def ddp_killed(out, tiny_data):
     """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (a copy of its last.pt, the checkpoint).
     test_scale.py resumes it at other sizes, test_endings.py with uneven batches."""
     checkpoint = kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
@@ -524,13 +542,15 @@ def make_ddp_killed(out, tiny_data):
     return out / "saved.pt", checkpoint
 
 
-def make_fsdp_killed(out, tiny_data):
+@ahead_fixture
+def fsdp_killed(out, tiny_data):
     """bash run.sh fsdp 2 EXACT -b 8, SIGKILLed mid-epoch (kill_mid_epoch): (its folder, which no test writes to: each
     resumes a copy, the checkpoint). test_fsdp.py resumes it at 3 and 2 processes, test_endings.py in one process."""
     return out / "run", kill_mid_epoch("fsdp", [*EXACT, "--data-path", tiny_data, "-b", "8"], out / "run")
 
 
-def make_amp_run(out, tiny_data, bare, hub_cache):
+@ahead_fixture
+def amp_run(out, tiny_data, bare, hub_cache):
     """train_ddp_amp.py (bf16 autocast on the CPU), 2 processes x batch 8, with the arguments of test_ddp.py's
     torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run."""
     proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -539,7 +559,8 @@ def make_amp_run(out, tiny_data, bare, hub_cache):
     return {"dir": out / "run", "proc": proc}
 
 
-def make_ladder_runs(out, tiny_data, bare, hub_cache):
+@ahead_fixture
+def ladder_runs(out, tiny_data, bare, hub_cache):
     """test_ddp.py's references, NAMED_WEIGHTS: one process with batch 16 (single, dp) and 2 x batch 8 through run.sh
     as a user starts them (launch, ddp: run.sh picks the launcher, a free port, the threads), two at a time, one
     thread per process. {"dir": out, "dp"|"launch"|"ddp": the CompletedProcess}."""
@@ -557,7 +578,8 @@ def make_ladder_runs(out, tiny_data, bare, hub_cache):
     return {"dir": out, "dp": dp, "launch": launch, "ddp": ddp}
 
 
-def make_fsdp_references(out, tiny_data, bare):
+@ahead_fixture
+def fsdp_references(out, tiny_data, bare):
     """test_fsdp.py's two uninterrupted runs, side by side: train_fsdp.py with 2 processes x batch 8 and EXACT, and
     what a user runs, bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze).
     {"dir": out, "fsdp": its CompletedProcess, "bn": the folder of the second}."""
@@ -567,23 +589,6 @@ def make_fsdp_references(out, tiny_data, bare):
                             out / "fsdp"], cwd=bare, env=job_env(), timeout=150)),
         lambda: ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out / "bn")))
     return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
-
-
-AHEAD = {"default_runs": make_default_runs, "exact_single": make_exact_single, "ddp_killed": make_ddp_killed,
-         "fsdp_killed": make_fsdp_killed, "amp_run": make_amp_run, "ladder_runs": make_ladder_runs,
-         "fsdp_references": make_fsdp_references}  # each a session fixture of that name
-
-
-def ahead_fixture(make):
-    """A session fixture named as make(out, **needs), whose value Ahead makes in its thread; for a test module's
-    reference runs. Its needs: session fixtures (tiny_data, bare, hub_cache) or other AHEAD names, made before it."""
-    assert make.__name__ not in AHEAD, f"two AHEAD runs named {make.__name__}"
-    AHEAD[make.__name__] = make
-
-    @pytest.fixture(scope="session", name=make.__name__)
-    def made(ahead):
-        return ahead.get(make.__name__)
-    return made
 
 
 class Ahead:
@@ -646,42 +651,6 @@ def alone_if_marked(request, ahead):
         return
     with ahead.quiet:
         yield
-
-
-@pytest.fixture(scope="session")
-def default_runs(ahead):
-    """make_default_runs's folder: ddp/ and amp/."""
-    return ahead.get("default_runs")
-
-
-@pytest.fixture(scope="session")
-def exact_single(ahead):
-    return ahead.get("exact_single")
-
-
-@pytest.fixture(scope="session")
-def ddp_killed(ahead):
-    return ahead.get("ddp_killed")
-
-
-@pytest.fixture(scope="session")
-def fsdp_killed(ahead):
-    return ahead.get("fsdp_killed")
-
-
-@pytest.fixture(scope="session")
-def amp_run(ahead):
-    return ahead.get("amp_run")
-
-
-@pytest.fixture(scope="session")
-def ladder_runs(ahead):
-    return ahead.get("ladder_runs")
-
-
-@pytest.fixture(scope="session")
-def fsdp_references(ahead):
-    return ahead.get("fsdp_references")
 
 
 def kill_mid_epoch(mode, args, output_dir, env=None):

@@ -44,7 +44,7 @@ def results(folder):
 
 @pytest.fixture(scope="module")
 def runs(ladder_runs):
-    """The reference runs (conftest.make_ladder_runs): single-process batch 16 (single, dp), and the DDP scripts with
+    """The reference runs (conftest.ladder_runs): single-process batch 16 (single, dp), and the DDP scripts with
     2 x batch 8 (launch, ddp)."""
     return ladder_runs
 

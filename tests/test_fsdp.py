@@ -33,7 +33,7 @@ def results(folder):
 
 @pytest.fixture(scope="module")
 def references(fsdp_references):
-    """The module's two uninterrupted runs (conftest.make_fsdp_references): FSDP with 2 processes x batch 8 and
+    """The module's two uninterrupted runs (conftest.fsdp_references): FSDP with 2 processes x batch 8 and
     --freeze, and bash run.sh fsdp 2 with default --workers and BatchNorm training."""
     return fsdp_references
 
