@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, job_env, kill_job,
+from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, job_env,
                       load_model_state, popen, ranks, run_job)
-from test_hosts import in_host, ip, run_nodes
-from test_scale import read_lines
+from test_hosts import in_host, run_nodes, veth_pair
+from test_scale import end_all, read_lines
 
 # A collective stuck between the pods ends within 60 s with a line that names it
 BOUNDED = ["--dist-timeout", "60"]
@@ -32,30 +32,13 @@ SCRIPT = "train_ddp_torchrun.py"
 def pods(tmp_path_factory):
     """{"a": (namespace, address, interface), "b": ...}: two pods joined by a veth pair, and a hosts file that gives
     each the names its engines resolve to it (a pod's own name, a Service's, a SLURM node's)."""
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
-        pytest.skip("needs root, ip (iproute2) and unshare to make network namespaces")
-    tag, subnet = f"{os.getpid() % 100000:05d}", f"10.78.{os.getpid() % 250}"
-    made = {"a": (f"eng{tag}a", f"{subnet}.1", f"env{tag}a"), "b": (f"eng{tag}b", f"{subnet}.2", f"env{tag}b")}
-    (ns_a, _, if_a), (ns_b, _, if_b) = made["a"], made["b"]
-    steps = [["netns", "add", ns_a], ["netns", "add", ns_b],
-             ["link", "add", if_a, "type", "veth", "peer", "name", if_b]]
-    for ns, address, interface in made.values():
-        steps += [["link", "set", interface, "netns", ns], ["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
-                  ["-n", ns, "link", "set", interface, "up"], ["-n", ns, "link", "set", "lo", "up"]]
-    hosts_file = tmp_path_factory.mktemp("pods") / "hosts"
-    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(  # (a pod's hosts file holds its own names)
-        f"{made[which][1]} resnet-{pytorchjob} resnet-elastic-worker-{n} resnet-node-0-{n}.resnet resnet-node-0-{n} "
-        f"node{n + 1}\n" for n, (which, pytorchjob) in enumerate((("a", "master-0"), ("b", "worker-0")))))
-    try:
-        for step in steps:
-            result = ip(*step)
-            if result.returncode:
-                pytest.skip(f"cannot make network namespaces here: ip {' '.join(step)}: {result.stderr.strip()}")
+    with veth_pair("en", 78) as made:
+        hosts_file = tmp_path_factory.mktemp("pods") / "hosts"
+        hosts_file.write_text("127.0.0.1 localhost\n" + "".join(  # (a pod's hosts file holds its own names)
+            f"{made[which][1]} resnet-{pytorchjob} resnet-elastic-worker-{n} resnet-node-0-{n}.resnet "
+            f"resnet-node-0-{n} node{n + 1}\n" for n, (which, pytorchjob) in enumerate((("a", "master-0"),
+                                                                                      ("b", "worker-0")))))
         yield {**made, "hosts": hosts_file}
-    finally:
-        for ns, _, interface in (made["a"], made["b"]):
-            ip("netns", "del", ns)
-            ip("link", "del", interface)
 
 
 # ------------------------------------------------------------------------------ what each engine sets, per pod
@@ -174,11 +157,7 @@ def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(p
         for job in jobs:
             job.wait(timeout=180)
     finally:
-        for job in jobs:
-            job.watchdog.cancel()
-            kill_job(job.token)
-        for reader in readers:
-            reader.join(timeout=10)
+        end_all(jobs, readers)
     text = ["".join(out) for out in outputs]
     assert [job.returncode for job in jobs] == [0, 0], [t[-3000:] for t in text]
     assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in text[1], text[1][-3000:]

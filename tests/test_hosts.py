@@ -6,6 +6,7 @@ torchrun, left to the hostname, never forms the job. One `bash run.sh ddp 1` age
 Needs root and `ip netns` (skipped otherwise). The namespaces have names of their own and are removed whatever
 happens; every process is bounded in time.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -23,14 +24,14 @@ def ip(*args):
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    """{"a": (namespace, address, interface), "b": ...}: two hosts joined by a veth pair."""
+@contextlib.contextmanager
+def veth_pair(prefix, subnet):
+    """Two network namespaces joined by a veth pair, removed afterwards: {"a": (namespace, address, interface),
+    "b": ...}, addresses 10.{subnet}.X.1 and .2. Skips the test where they cannot be made."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         pytest.skip("needs root, ip (iproute2) and unshare to make network namespaces")
-    tag = f"{os.getpid() % 100000:05d}"
-    subnet = f"10.77.{os.getpid() % 250}"
-    made = {"a": (f"rsh{tag}a", f"{subnet}.1", f"rsv{tag}a"), "b": (f"rsh{tag}b", f"{subnet}.2", f"rsv{tag}b")}
+    tag, net = f"{os.getpid() % 100000:05d}", f"10.{subnet}.{os.getpid() % 250}"
+    made = {x: (f"{prefix}h{tag}{x}", f"{net}.{n}", f"{prefix}v{tag}{x}") for n, x in enumerate("ab", 1)}
     (ns_a, _, if_a), (ns_b, _, if_b) = made["a"], made["b"]
     steps = [["netns", "add", ns_a], ["netns", "add", ns_b],
              ["link", "add", if_a, "type", "veth", "peer", "name", if_b]]
@@ -47,6 +48,13 @@ def hosts():
         for ns, _, interface in made.values():
             ip("netns", "del", ns)  # removes its end of the veth pair, and with it the pair
             ip("link", "del", interface)  # in case it never left this namespace
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """{"a": (namespace, address, interface), "b": ...}: two hosts joined by a veth pair."""
+    with veth_pair("rs", 77) as made:
+        yield made
 
 
 def in_host(host, command, hostname=None, hosts_file=None):

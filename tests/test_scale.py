@@ -173,6 +173,15 @@ def read_lines(job, into):
     return thread
 
 
+def end_all(jobs, readers):
+    """(in a finally) every job's watchdog off and its processes killed, every output reader done."""
+    for job in jobs:
+        job.watchdog.cancel()
+        kill_job(job.token)
+    for reader in readers:
+        reader.join(timeout=10)
+
+
 def pending_signals(pid):
     """The signals sent to a process and not yet delivered (it is stopped, or blocks them)."""
     with open(f"/proc/{pid}/status") as f:
@@ -212,11 +221,7 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
         for node in nodes:
             node.wait(timeout=180)
     finally:
-        for node in nodes:
-            node.watchdog.cancel()
-            kill_job(node.token)
-        for reader in readers:
-            reader.join(timeout=10)
+        end_all(nodes, readers)
     text = ["".join(out) for out in outputs]
     assert [node.returncode for node in nodes] == [0, 0], [t[-3000:] for t in text]
     assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in text[1], text[1][-3000:]
