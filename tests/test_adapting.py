@@ -104,13 +104,9 @@ def command(rung, *args):
     return [sys.executable, *launcher, script, *ARGS, "-b", batch, *args]
 
 
-def env_for(rung):
-    return {**job_env(), "OMP_NUM_THREADS": "1"}  # one thread a process: two rungs' jobs run side by side
-
-
 def uninterrupted(rung, project):
     """The rung's whole run in its copy: it learns the task; the default loader workers show in the header."""
-    whole = ok(run_job(command(rung, "--output-dir", "whole"), cwd=project, env=env_for(rung), timeout=150))
+    whole = ok(run_job(command(rung, "--output-dir", "whole"), cwd=project, env=job_env(), timeout=150))
     results = json.loads((project / "whole" / "results.json").read_text())
     assert results["final_acc"] >= 0.9, (results["final_acc"], whole.stdout[-2000:])
     assert "Traceback" not in whole.stderr, whole.stderr[-3000:]
@@ -122,7 +118,7 @@ def stopped_and_resumed(rung, project):
     """Stopped in epoch 2 as SLURM stops a job (SIGTERM to every process, loader workers too), then --resume auto:
     the resumed run's last.pt."""
     saves_on_signal = RUNGS[rung][3]
-    job, lines = popen(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project, env=env_for(rung),
+    job, lines = popen(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project, env=job_env(),
                        timeout=150), []
     seen = read_until(job, lines, "epoch 2/3  step 4/12")
     if seen:
@@ -132,7 +128,7 @@ def stopped_and_resumed(rung, project):
     assert job.returncode != 0 and not (project / "run" / "results.json").exists(), output[-3000:]
     if saves_on_signal:  # (plain torchrun then exits 1 with its own report; run.sh makes that 143)
         assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
-    resumed = ok(run_job(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project, env=env_for(rung),
+    resumed = ok(run_job(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project, env=job_env(),
                          timeout=150))
     assert_resumed_after(resumed.stdout)
     assert json.loads((project / "run" / "results.json").read_text())["final_acc"] >= 0.9

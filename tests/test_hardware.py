@@ -65,13 +65,13 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
     args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
-    doctor = [sys.executable, "tools/doctor.py", "--no-allreduce"]
+    check = [sys.executable, "tools/doctor.py", "--no-allreduce"]
     refused, asked, doctor, native = side_by_side(  # (one process each)
         lambda: run_sh("amp", 1, *args, "--output-dir", tmp_path / "refused", env=job_env(**AVX2_ONLY)),
         lambda: run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", tmp_path / "asked",
                        env=job_env(**AVX2_ONLY)),
-        lambda: run_job(doctor, env=job_env(**AVX2_ONLY), timeout=120),
-        lambda: run_job(doctor, env=job_env(), timeout=120))
+        lambda: run_job(check, env=job_env(**AVX2_ONLY), timeout=120),
+        lambda: run_job(check, env=job_env(), timeout=120))
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
