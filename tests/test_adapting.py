@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import (REPO, ahead_fixture, assert_resumed_after, assert_same_weights, deliver, finish, job_env,
+from conftest import (BF16, REPO, ahead_fixture, assert_resumed_after, assert_same_weights, deliver, finish, job_env,
                       load_model_state, ok, outcomes, popen, read_until, run_job)
 
 USER_CODE = '''
@@ -101,7 +101,7 @@ def users_project(folder, script):
 
 def command(rung, *args):
     script, launcher, batch, _ = RUNGS[rung]
-    return [sys.executable, *launcher, script, *ARGS, "-b", batch, *args]
+    return [sys.executable, *launcher, script, *ARGS, "-b", batch, *(BF16 if rung == "amp" else []), *args]
 
 
 def uninterrupted(rung, project):
