@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
-                      finish, free_port, job_env, load_model_state, ok, outcomes, read_until, run_job,
+from conftest import (BF16, DEFAULTS, EXACT, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_same_weights,
+                      descendants, finish, free_port, job_env, load_model_state, ok, outcomes, read_until, run_job,
                       side_by_side, start)
 
 
@@ -83,13 +83,17 @@ def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fs
     assert [p.name for p in (tmp_path / "run").iterdir() if ".dcp" in p.name] == [checkpoint["optimizer"]]
 
 
-@pytest.fixture(scope="module")
-def short_jobs(default_runs, tiny_data, tmp_path_factory):
+@ahead_fixture
+def endings_jobs(out, default_runs, tiny_data):
     """The jobs of the tests below, two at a time (conftest.outcomes): {name: conftest.Outcome}."""
-    out = tmp_path_factory.mktemp("short_jobs")
     return outcomes(fresh_scaler=lambda: fresh_scaler(default_runs, tiny_data, out / "fresh_scaler"),
                     cuda_1=lambda: device_cuda_1(tiny_data),
                     **{case: lambda case=case: teardown(case) for case in TEARDOWN_CASES})
+
+
+@pytest.fixture(scope="module")
+def short_jobs(endings_jobs):
+    return endings_jobs
 
 
 def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(short_jobs):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import utils
-from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run_job, run_sh, side_by_side
+from conftest import (DEFAULTS, FP16_CLIP, REPO, ahead_fixture, job_env, load_model_state, ok, outcomes, run_job,
+                      run_sh)
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
@@ -60,37 +61,46 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     assert loaded["nested"][0][1]["x"].device.type == "cpu" and torch.equal(loaded["rng"], state["rng"])
 
 
-def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
+@ahead_fixture
+def hardware_jobs(out, default_runs, tiny_data):
+    """The next two tests' jobs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): the amp rung and the
+    doctor on an emulated CPU without bf16 kernels and on this one, and the clipped bf16 run. {name: Outcome}."""
+    args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
+    check = [sys.executable, "tools/doctor.py", "--no-allreduce"]
+    return {"dir": out, **outcomes(
+        refused=lambda: run_sh("amp", 1, *args, "--output-dir", out / "refused", env=job_env(**AVX2_ONLY)),
+        asked=lambda: run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", out / "asked",
+                             env=job_env(**AVX2_ONLY)),
+        doctor=lambda: run_job(check, env=job_env(**AVX2_ONLY), timeout=120),
+        native=lambda: run_job(check, env=job_env(), timeout=120),
+        clipped=lambda: ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad",
+                                  FP16_CLIP, "--output-dir", out / "clipped")))}
+
+
+def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(hardware_jobs):
     """On a CPU whose oneDNN has no bf16 kernels (emulated here with ONEDNN_MAX_CPU_ISA=AVX2, where bf16 autocast
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
-    args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
-    check = [sys.executable, "tools/doctor.py", "--no-allreduce"]
-    refused, asked, doctor, native = side_by_side(  # (one process each)
-        lambda: run_sh("amp", 1, *args, "--output-dir", tmp_path / "refused", env=job_env(**AVX2_ONLY)),
-        lambda: run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", tmp_path / "asked",
-                       env=job_env(**AVX2_ONLY)),
-        lambda: run_job(check, env=job_env(**AVX2_ONLY), timeout=120),
-        lambda: run_job(check, env=job_env(), timeout=120))
+    refused, asked, doctor, native = (hardware_jobs[name].get() for name in ("refused", "asked", "doctor", "native"))
+    out = hardware_jobs["dir"]
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
-    assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "last.pt").exists()
+    assert "Traceback" not in refused.stderr and not (out / "refused" / "last.pt").exists()
     ok(asked)
     assert asked.stdout.count("warning: this CPU has no bf16 arithmetic") == 1, asked.stdout[-2000:]
-    assert (tmp_path / "asked" / "results.json").exists()
+    assert (out / "asked" / "results.json").exists()
     assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
         doctor.stdout
     if utils.cpu_computes_bf16():  # this machine's own CPU
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
 
 
-def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, tiny_data, tmp_path):
+def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, hardware_jobs):
     """tests/test_gpu.py's fp16 run clips at FP16_CLIP: the same run in bf16 on the CPU learns (better than the 6 of
     17 that guessing one class scores) and ends elsewhere than the unclipped run, so the clip did act."""
-    out = tmp_path / "clipped"
-    ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad", FP16_CLIP,
-              "--output-dir", out))
+    hardware_jobs["clipped"].get()
+    out = hardware_jobs["dir"] / "clipped"
     assert json.loads((out / "results.json").read_text())["best_acc"] > 0.5
     clipped, free = load_model_state(out / "last.pt"), load_model_state(default_runs / "amp" / "last.pt")
     assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())

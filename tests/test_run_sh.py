@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_same_weights, descendants, job_env, kill_all,
-                      load_model_state, ok, outcomes, ranks, read_lines_until, run_sh, side_by_side, start)
+from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_same_weights, descendants, job_env,
+                      kill_all, load_model_state, ok, outcomes, ranks, read_lines_until, run_sh, side_by_side, start)
 
 
 def env_with(**settings):
@@ -25,12 +25,16 @@ def stopped_by(output, name):
     return [line for line in output.splitlines() if line.startswith(f"stopped by {name} after step ")]
 
 
-@pytest.fixture(scope="module")
-def side_jobs(tiny_data, tmp_path_factory):
+@ahead_fixture
+def run_sh_jobs(out, tiny_data):
     """Two tests' jobs side by side (conftest.outcomes), each ended by its own events: {name: conftest.Outcome}."""
-    out = tmp_path_factory.mktemp("side_jobs")
     return outcomes(sigkill=lambda: sigkill_of_run_sh(tiny_data, out / "sigkill"),
                     fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"))
+
+
+@pytest.fixture(scope="module")
+def side_jobs(run_sh_jobs):
+    return run_sh_jobs
 
 
 def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(side_jobs):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (BF16, EXACT, assert_resumed_after, assert_same_weights, finish, free_port, job_env, kill_job,
-                      load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
+from conftest import (BF16, EXACT, ahead_fixture, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
+                      kill_job, load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -27,11 +27,10 @@ def torchrun(nproc, script, *args, env=None):
 EVALUATIONS = [("ddp", 1), ("ddp", 2), ("amp", 2)]
 
 
-@pytest.fixture(scope="module")
-def evaluations(default_runs, tiny_data, tmp_path_factory):
+@ahead_fixture
+def scale_evaluations(out, default_runs, tiny_data):
     """--test-only on the last.pt of conftest.default_runs (BatchNorm training), for each of EVALUATIONS (mode,
     processes), two at a time: {(mode, processes): results.json}."""
-    out = tmp_path_factory.mktemp("evaluations")
 
     def evaluate(mode, nproc):
         script = {"ddp": "train_ddp_torchrun.py", "amp": "train_ddp_amp.py"}[mode]
@@ -40,6 +39,11 @@ def evaluations(default_runs, tiny_data, tmp_path_factory):
                     "--output-dir", out / f"{mode}{nproc}"))
         return utils.json.loads((out / f"{mode}{nproc}" / "results.json").read_text())
     return dict(zip(EVALUATIONS, side_by_side(*[lambda case=case: evaluate(*case) for case in EVALUATIONS])))
+
+
+@pytest.fixture(scope="module")
+def evaluations(scale_evaluations):
+    return scale_evaluations
 
 
 @pytest.mark.parametrize("mode,nproc", EVALUATIONS)
@@ -234,12 +238,16 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
                         atol=TOL)
 
 
-@pytest.fixture(scope="module")
-def refusals(tiny_data, tmp_path_factory):
+@ahead_fixture
+def scale_refusals(out, tiny_data):
     """The next two tests' jobs side by side (conftest.outcomes): two nodes each, refused before training."""
-    out = tmp_path_factory.mktemp("refusals")
     return outcomes(shared_store=lambda: shared_store(tiny_data, out / "shared_store"),
                     different_data=lambda: different_data(tiny_data, out / "different_data"))
+
+
+@pytest.fixture(scope="module")
+def refusals(scale_refusals):
+    return scale_refusals
 
 
 def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(refusals):

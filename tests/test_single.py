@@ -20,8 +20,8 @@ import torch
 import torchvision
 
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, cpu_env, load_model_state, make_dataset, outcomes,
-                      run_forked, run_job, run_script, side_by_side)
+from conftest import (FAST, NO_NETWORK, REPO, ahead_fixture, assert_same_weights, cpu_env, load_model_state,
+                      make_dataset, outcomes, run_forked, run_job, run_script, side_by_side)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -82,19 +82,24 @@ def assert_untouched(before):
 
 
 # ------------------------------------------------------------------------------------------ shared runs
-@pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
+@ahead_fixture
+def single_runs(out, tiny_data):
     """Two complete runs: the baseline, and the same again with 2 loader workers and --resume auto in a new folder
     (which starts fresh). Bitwise equal weights prove both that a seed repeats a run and that loader workers change
     nothing (either broken, they differ).
 
     Side by side (conftest.side_by_side), with one compute thread each (one_thread(): every run compared with them).
     """
-    root = tmp_path_factory.mktemp("runs")
+    root = out
     variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
     procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, root / name, *variants[name]),
                                                         env=one_thread()) for name in variants])
     return {name: SimpleNamespace(dir=root / name, proc=proc) for name, proc in zip(variants, procs)}
+
+
+@pytest.fixture(scope="module")
+def runs(single_runs):
+    return single_runs
 
 
 @pytest.fixture(scope="module")
@@ -272,10 +277,10 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ kill and resume
-@pytest.fixture(scope="module")
-def resumed(tiny_data, tmp_path_factory):
+@ahead_fixture
+def single_resumed(out, tiny_data):
     """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
-    out = tmp_path_factory.mktemp("resume") / "run"
+    out = out / "run"
     env = one_thread(PYTHONUNBUFFERED="1")
     command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
     stdout, killed_after = [], None
@@ -313,6 +318,11 @@ def resumed(tiny_data, tmp_path_factory):
         result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "samples")}
     result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"), env=one_thread())
     return result
+
+
+@pytest.fixture(scope="module")
+def resumed(single_resumed):
+    return single_resumed
 
 
 @pytest.mark.quick
