@@ -592,7 +592,12 @@ def fsdp_references(out, tiny_data, bare):
 
 
 class Ahead:
-    """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits."""
+    """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits.
+
+    At most CREDIT runs ahead of the last one a test has asked for: the background work is spread over the session
+    instead of piling onto its first minutes (its cores are busy there already, and idle later, in modules whose jobs
+    mostly wait)."""
+    CREDIT = 2
 
     def __init__(self, request, tmp_path_factory):
         used = []
@@ -608,6 +613,7 @@ class Ahead:
             use(name)
         self.quiet, self.stopping, self.made = threading.Lock(), False, {name: concurrent.futures.Future()
                                                                            for name in used}
+        self.turn, self.asked = threading.Condition(), -1  # the last run in the queue a test has asked for
         self.jobs = []
         for name in used:  # what each needs, made here first (quick, and not thread-safe), or by an earlier run
             needs = list(inspect.signature(AHEAD[name]).parameters)[1:]
@@ -617,7 +623,9 @@ class Ahead:
         self.thread.start()
 
     def run(self):
-        for name, out, needs in self.jobs:
+        for queued, (name, out, needs) in enumerate(self.jobs):
+            with self.turn:
+                self.turn.wait_for(lambda: self.stopping or queued <= self.asked + self.CREDIT)
             with self.quiet:
                 if self.stopping:
                     self.made[name].cancel()
@@ -629,10 +637,15 @@ class Ahead:
                     self.made[name].set_exception(error)
 
     def get(self, name):
+        with self.turn:
+            self.asked = max(self.asked, [job[0] for job in self.jobs].index(name))
+            self.turn.notify_all()
         return self.made[name].result()
 
     def stop(self):
-        self.stopping = True
+        with self.turn:
+            self.stopping = True
+            self.turn.notify_all()
         self.thread.join()  # the job in progress ends (every job is bounded in time)
 
 
