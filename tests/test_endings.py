@@ -91,15 +91,10 @@ def endings_jobs(out, default_runs, tiny_data):
                     **{case: lambda case=case: teardown(case) for case in TEARDOWN_CASES})
 
 
-@pytest.fixture(scope="module")
-def short_jobs(endings_jobs):
-    return endings_jobs
-
-
-def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(short_jobs):
+def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(endings_jobs):
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler'."""
-    short_jobs["fresh_scaler"].get()
+    endings_jobs["fresh_scaler"].get()
 
 
 def fresh_scaler(default_runs, tiny_data, tmp_path):
@@ -112,9 +107,9 @@ def fresh_scaler(default_runs, tiny_data, tmp_path):
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3
 
 
-def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(short_jobs):
+def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(endings_jobs):
     """--device cuda:1 under torchrun would open a context on GPU 1 in every rank and then be ignored: one line."""
-    short_jobs["cuda_1"].get()
+    endings_jobs["cuda_1"].get()
 
 
 def device_cuda_1(tiny_data):
@@ -142,10 +137,10 @@ TEARDOWN_CASES = ["as in torch 2.14", "renamed"]
 
 
 @pytest.mark.parametrize("case", TEARDOWN_CASES)
-def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(short_jobs, case):
+def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(endings_jobs, case):
     """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
     torch release renames it, the exit must still end with the script's own status, not a traceback."""
-    short_jobs[case].get()
+    endings_jobs[case].get()
 
 
 def teardown(case):

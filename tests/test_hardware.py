@@ -62,7 +62,7 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
 
 
 @ahead_fixture
-def hardware_jobs(out, default_runs, tiny_data):
+def hardware_jobs(out, tiny_data):
     """The next two tests' jobs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): the amp rung and the
     doctor on an emulated CPU without bf16 kernels and on this one, and the clipped bf16 run. {name: Outcome}."""
     args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]

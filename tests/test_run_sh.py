@@ -32,15 +32,10 @@ def run_sh_jobs(out, tiny_data):
                     fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"))
 
 
-@pytest.fixture(scope="module")
-def side_jobs(run_sh_jobs):
-    return run_sh_jobs
-
-
-def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(side_jobs):
+def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(run_sh_jobs):
     """A job manager, `kill -9 -PGID` or a CI timeout: run.sh gets no chance to pass anything on. The launcher, told by
     its parent-death signal, stops the ranks as on SIGTERM: they save and end, and nothing trains on."""
-    side_jobs["sigkill"].get()
+    run_sh_jobs["sigkill"].get()
 
 
 def sigkill_of_run_sh(tiny_data, folder):
@@ -298,9 +293,9 @@ def gpus_answer(tmp_path, count):
     return str(python)
 
 
-def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(side_jobs):
+def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(run_sh_jobs):
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
-    side_jobs["fewer_gpus"].get()
+    run_sh_jobs["fewer_gpus"].get()
 
 
 def fewer_gpus_than_processes(tiny_data, tmp_path):

@@ -41,17 +41,12 @@ def scale_evaluations(out, default_runs, tiny_data):
     return dict(zip(EVALUATIONS, side_by_side(*[lambda case=case: evaluate(*case) for case in EVALUATIONS])))
 
 
-@pytest.fixture(scope="module")
-def evaluations(scale_evaluations):
-    return scale_evaluations
-
-
 @pytest.mark.parametrize("mode,nproc", EVALUATIONS)
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, evaluations, mode, nproc):
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, scale_evaluations, mode, nproc):
     """BatchNorm in train mode: every rank must evaluate with the statistics rank 0 saves (DDP syncs them only at the
     start of a training forward). Before the fix the logged figure differed from --test-only on last.pt."""
     results = utils.json.loads((default_runs / mode / "results.json").read_text())
-    evaluated = evaluations[mode, nproc]
+    evaluated = scale_evaluations[mode, nproc]
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
@@ -245,16 +240,11 @@ def scale_refusals(out, tiny_data):
                     different_data=lambda: different_data(tiny_data, out / "different_data"))
 
 
-@pytest.fixture(scope="module")
-def refusals(scale_refusals):
-    return scale_refusals
-
-
-def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(refusals):
+def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(scale_refusals):
     """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
     the variable, before it trains."""
-    refusals["shared_store"].get()
+    scale_refusals["shared_store"].get()
 
 
 def shared_store(tiny_data, tmp_path):
@@ -274,9 +264,9 @@ def shared_store(tiny_data, tmp_path):
         assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
-def test_ranks_that_see_different_data_stop_with_one_line_per_node(refusals):
+def test_ranks_that_see_different_data_stop_with_one_line_per_node(scale_refusals):
     """Two nodes with their own copy of the data, one copy missing an image: each node says so, once."""
-    refusals["different_data"].get()
+    scale_refusals["different_data"].get()
 
 
 def different_data(tiny_data, tmp_path):

@@ -90,11 +90,10 @@ def single_runs(out, tiny_data):
 
     Side by side (conftest.side_by_side), with one compute thread each (one_thread(): every run compared with them).
     """
-    root = out
     variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
-    procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, root / name, *variants[name]),
+    procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, out / name, *variants[name]),
                                                         env=one_thread()) for name in variants])
-    return {name: SimpleNamespace(dir=root / name, proc=proc) for name, proc in zip(variants, procs)}
+    return {name: SimpleNamespace(dir=out / name, proc=proc) for name, proc in zip(variants, procs)}
 
 
 @pytest.fixture(scope="module")
