@@ -591,13 +591,24 @@ def fsdp_references(out, tiny_data, bare):
     return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
 
 
+def cpu_times():
+    """(all, idle) CPU time of this machine so far, in clock ticks (/proc/stat; (0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return sum(values), values[3] + values[4]  # idle and iowait
+
+
 class Ahead:
     """Makes the AHEAD runs the session's tests use, one after the other in a thread of its own; get() waits.
 
     At most CREDIT runs ahead of the last one a test has asked for: the background work is spread over the session
     instead of piling onto its first minutes (its cores are busy there already, and idle later, in modules whose jobs
-    mostly wait)."""
-    CREDIT = 2
+    mostly wait). Beyond that only while the cores sit idle: over half their time idle for IDLE_WINDOW seconds (the
+    tests are waiting for a timeout, a rendezvous, a signal's effect)."""
+    CREDIT, IDLE_WINDOW = 2, 3
 
     def __init__(self, request, tmp_path_factory):
         used = []
@@ -625,7 +636,11 @@ class Ahead:
     def run(self):
         for queued, (name, out, needs) in enumerate(self.jobs):
             with self.turn:
-                self.turn.wait_for(lambda: self.stopping or queued <= self.asked + self.CREDIT)
+                while not (self.stopping or queued <= self.asked + self.CREDIT):
+                    (total, idle), notified = cpu_times(), self.turn.wait(self.IDLE_WINDOW)
+                    total_now, idle_now = cpu_times()
+                    if not notified and idle_now - idle > 0.5 * (total_now - total):
+                        break  # the cores sat idle: use them
             with self.quiet:
                 if self.stopping:
                     self.made[name].cancel()
