@@ -9,7 +9,7 @@ import time
 import pytest
 
 import conftest
-from conftest import assert_job_gone, cpu_env, finish, job_env, popen, run_job, run_script, start
+from conftest import assert_job_gone, cpu_env, finish, job_env, popen, run_job, run_script, side_by_side, start
 
 
 def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
@@ -42,17 +42,21 @@ def test_a_job_that_stalls_without_output_is_ended_at_its_time_limit():
     the job is killed, the orphaned one too. run_job does the same for jobs run to completion."""
     stall = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True);"
              " print('started', flush=True); time.sleep(60)"]
-    started = time.time()
-    job = popen(stall, env=cpu_env(), timeout=3)
-    lines = list(job.stdout)  # no deadline of its own: the watchdog ends it
-    assert lines == ["started\n"] and time.time() - started < 30
-    finish(job, lines, timeout=10)
-    assert_job_gone(job.token, within=10)
 
-    started = time.time()
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_job(stall, env=cpu_env(), timeout=3)
-    assert time.time() - started < 30
+    def read_until_the_watchdog_ends_it():
+        started = time.time()
+        job = popen(stall, env=cpu_env(), timeout=3)
+        lines = list(job.stdout)  # no deadline of its own: the watchdog ends it
+        assert lines == ["started\n"] and time.time() - started < 30
+        finish(job, lines, timeout=10)
+        assert_job_gone(job.token, within=10)
+
+    def run_to_completion():
+        started = time.time()
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_job(stall, env=cpu_env(), timeout=3)
+        assert time.time() - started < 30
+    side_by_side(read_until_the_watchdog_ends_it, run_to_completion)  # the two at once: each waits for its watchdog
 
 
 def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(tmp_path):
