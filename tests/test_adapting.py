@@ -146,7 +146,8 @@ def adapting_projects(out):
         project = users_project(out / rung / "project", RUNGS[rung][0])
         whole = None if rung == "launch" else uninterrupted(rung, project)
         return whole, stopped_and_resumed(rung, project)
-    return outcomes(**{rung: lambda rung=rung: jobs(rung) for rung in RUNGS})
+    # the longest first (fsdp's jobs, launch's two last), so that the last job has company
+    return outcomes(**{rung: lambda rung=rung: jobs(rung) for rung in ("fsdp", "amp", "ddp", "single", "launch")})
 
 
 @pytest.mark.parametrize("rung", list(RUNGS))
