@@ -26,6 +26,7 @@ def test_quick_bench_writes_every_figure(tmp_path):
     if result["config"]["device"] == "cpu":  # N processes' compute limit side by side: the accumulation ceiling
         for key in ("compute_limit_split_img_s", "accum_ceiling"):
             assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
+    assert result["startup_s"] > 0, result  # the first step after the import, timed in the same process
     machine = result["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["gpu"] and machine["torch"]
     assert result["config"]["quick"] and result["config"]["tiny"] and result["config"]["repeats"] == 1

@@ -12,7 +12,8 @@ the same model (resnet18), crop size (64) and batch per process (32), on the bui
   accumulation    ddp N with --accum-steps 4 (no_sync) against ddp N with --accum-steps 1 (all-reduce every micro-step)
   data pipeline   images/s of the project's loader (utils.ImageFiles + default collate) and of the textbook
                   ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, one process, one thread
-  start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step)
+  start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step),
+                  in one train_single.py process
 On a CUDA machine (skipped on a CPU, with a line saying so), and alone with --gpu-only (bash run.sh gpucheck):
   GPU rows        resnet50 at 224 px, by value: the compute limit at batch 256 in fp32, TF32, bf16 autocast, bf16
                   + channels_last, and bf16 without cudnn.benchmark; amp 1 end to end on ~2,000 generated
@@ -59,6 +60,9 @@ MODEL, IMG_SIZE, BATCH = "resnet18", 64, 32
 PROGRESS = re.compile(r"epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s+loss \S+\s+lr \S+\s+([\d.]+) img/s")
 RESULT_TAG = "BENCH-RESULT "
 IMPORTED_TAG = "BENCH-IMPORTED"
+# train_single.py started through this, so that its import time and its first step are timed in the same process
+TIMED_IMPORT = (f"import runpy, sys; import torch, torchvision; print({IMPORTED_TAG!r}, flush=True); "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batch: fills a GPU, not an H200's memory
 GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
 GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last", "bf16_without_cudnn_benchmark")
@@ -76,7 +80,6 @@ def probe_child(opts):
     """One fresh process: import time, machine facts, compute limit, then both data pipelines on one thread."""
     import torch
     import torchvision
-    print(IMPORTED_TAG, flush=True)  # the parent times process start -> this line: the import time
     sys.path.insert(0, str(REPO))
     import utils
 
@@ -674,10 +677,8 @@ def run_child(opts, what, threads, *args, timeout=None):
 
 def run_probe(opts, threads):
     data = ["--child-data", str(opts.data)] if opts.tiny and not opts.data.exists() else []
-    result, lines = run_child(opts, "probe process", threads, "--child-probe", "--loader-batches",
-                              str(opts.loader_batches), *data)
-    result["import_s"] = next(t for t, line in lines if line == IMPORTED_TAG)
-    return result
+    return run_child(opts, "probe process", threads, "--child-probe", "--loader-batches", str(opts.loader_batches),
+                     *data)[0]
 
 
 def run_split(opts, nproc, per_proc, num_classes):
@@ -720,6 +721,7 @@ def run_training(cmd, env, global_batch, warm_steps, measure_steps, print_freq, 
            "other_cores": others, "wall_s": wall}
     if print_freq == 1:
         run["first_step_s"] = steps[0]["t"]
+    run["import_s"] = next((t for t, line in lines if line == IMPORTED_TAG), None)  # started with TIMED_IMPORT
     return run
 
 
@@ -760,20 +762,21 @@ def plan(opts, info, threads, nproc, tmp):
             cmd = launcher + [script, "--output-dir", str(out)] + args
             run = run_training(cmd, child_env(thread_count), global_batch, warm, measure, 1 if first_only else pf,
                                False, out, opts.timeout)
-            run["cmd"] = " ".join([Path(c).name if c == py else c for c in cmd]).replace(str(out), "<tmp>")
+            run["cmd"] = " ".join([Path(c).name if c == py else "TIMED_IMPORT" if c == TIMED_IMPORT else c
+                                   for c in cmd]).replace(str(out), "<tmp>")
             shutil.rmtree(out, ignore_errors=True)
             return run
         return go
 
     runs = {
-        "single": spec("single", [py], "train_single.py", 1, threads),
+        "single": spec("single", [py, "-c", TIMED_IMPORT], "train_single.py", 1, threads),
         "dp": spec("dp", [py], "train_dp.py", 1, threads),
         "ddp": spec("ddp", torchrun, "train_ddp_torchrun.py", nproc, per_proc),
         "amp": spec("amp", torchrun, "train_ddp_amp.py", nproc, per_proc),
         "accum": spec("accum", torchrun, "train_ddp_torchrun.py", nproc, per_proc, accum=4),
     }
     if pf != 1:  # time to first step needs a progress line after the first step
-        runs["startup"] = spec("startup", [py], "train_single.py", 1, threads, first_only=True)
+        runs["startup"] = spec("startup", [py, "-c", TIMED_IMPORT], "train_single.py", 1, threads, first_only=True)
     return {name: go for name, go in runs.items() if go is not None}
 
 
@@ -1019,8 +1022,8 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
     probes = runs["probe"]
     m = {name: median(x["img_s"] for x in rs) for name, rs in runs.items() if name != "probe"}
     limit = median(p["compute_limit_img_s"] for p in probes)
-    import_s = median(p["import_s"] for p in probes)
-    first_step = median(x.get("first_step_s") for x in runs.get("startup") or runs["single"])
+    started = runs.get("startup") or runs["single"]  # (their import and first step timed in one process each)
+    first_step, import_s = (median(x.get(key) for x in started) for key in ("first_step_s", "import_s"))
     per_proc = max(1, threads // nproc)
     each = {}  # ratios within each repetition, between runs that followed each other
 
@@ -1039,7 +1042,7 @@ def summarize(opts, info, runs, cores, threads, nproc, repeats, cuda):
         "accum_img_s": m.get("accum"), "accum1_img_s": m["ddp"],
         "accum_speedup": rep_ratio("accum_speedup", "accum", "img_s", "ddp", "img_s"),
         "import_s": import_s, "first_step_s": first_step,
-        "startup_s": first_step - import_s if first_step is not None else None,
+        "startup_s": first_step - import_s if first_step is not None and import_s is not None else None,
         "loader_img_s": median(p["loader_img_s"] for p in probes),
         "classic_loader_img_s": median(p["classic_loader_img_s"] for p in probes),
     }
