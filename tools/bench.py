@@ -77,7 +77,7 @@ TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loade
 
 # ------------------------------------------------------------------------------------------ child: probe
 def probe_child(opts):
-    """One fresh process: import time, machine facts, compute limit, then both data pipelines on one thread."""
+    """One fresh process: machine facts, compute limit, then both data pipelines on one thread."""
     import torch
     import torchvision
     sys.path.insert(0, str(REPO))
