@@ -16,42 +16,49 @@ import torch
 
 from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_resumed_after,
                       assert_same_weights, checkpoint_step, children, command, deliver, descendants, finish, job_env,
-                      kill_job, load_model_state, ok, outcomes, ranks, read_until, run_sh, side_by_side, start)
+                      kill_job, load_model_state, ok, outcomes, ranks, read_until, run_sh, start)
 
-def stop_and_resume(mode, how, signum, reference, tiny_data, folder):
-    """bash run.sh MODE 2 with the defaults, stopped by signum (delivered `how`, conftest.deliver) after its first
-    step, then resumed with --resume auto: it must end with the reference's weights."""
+
+def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
+    """bash run.sh MODE 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
+    turn (conftest.deliver): the first to the new job, each next one to the job that resumed the last stop (with
+    --resume auto), after its own first step. A last --resume auto must end with the reference's weights."""
     args = [mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
             folder / "run"]
-    job, lines, pids = start(*args), [], []
-    if read_until(job, lines, "epoch 1/2  step 1/3"):
-        pids = descendants(job.pid)
-        deliver(job, how, signum)
-    output = finish(job, lines, timeout=60)
-    assert len(pids) >= 6, (how, [command(p) for p in pids])  # agent, 2 ranks, their loader workers
-    name = signal.Signals(signum).name
-    assert job.returncode == 128 + signum, (how, output[-3000:])
-    stops = [line for line in output.splitlines() if line.startswith("stopped by")]
-    assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), (how, output[-3000:])
-    assert output.rstrip().splitlines()[-1] == stops[0], (how, output[-3000:])  # the log ends with the scripts' line
-    assert "Traceback" not in output, (how, output[-3000:])
-    assert not (folder / "run" / "results.json").exists()
-    assert_gone(pids)
+    stopped_after = 0
+    for how in hows:
+        resume = ["--resume", "auto"] if stopped_after else []
+        job, lines, pids = start(*args, *resume), [], []
+        if read_until(job, lines, "  step "):  # its first progress line
+            pids = descendants(job.pid)
+            deliver(job, how, signum)
+        output = finish(job, lines, timeout=60)
+        assert len(pids) >= 6, (how, [command(p) for p in pids])  # agent, 2 ranks, their loader workers
+        name = signal.Signals(signum).name
+        assert job.returncode == 128 + signum, (how, output[-3000:])
+        stops = [line for line in output.splitlines() if line.startswith("stopped by")]
+        assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), (how, output[-3000:])
+        assert output.rstrip().splitlines()[-1] == stops[0], (how, output[-3000:])  # the log ends with that line
+        assert "Traceback" not in output, (how, output[-3000:])
+        assert not (folder / "run" / "results.json").exists()
+        assert_gone(pids)
+        if resume:  # it went on from the last stop, and trained at least a step before this one
+            assert "resuming from " in output, (how, output[-3000:])
+        step = int(stops[0].split("after step ")[1].split(":")[0])
+        assert step > stopped_after, (how, stopped_after, output[-3000:])
+        stopped_after = step
 
     resumed = ok(run_sh(*args, "--resume", "auto"))
-    stopped_after = int(stops[0].split("after step ")[1].split(":")[0])
     assert_resumed_after(resumed.stdout, step=stopped_after)  # not a fresh start that prints "resuming from"
     assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
 @pytest.mark.quick
 def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
-    """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group) and to every process of
-    the job, loader workers included (SLURM's scancel and preemption): two jobs side by side, each stopped after its
-    own first step."""
-    side_by_side(*[lambda how=how: stop_and_resume("ddp", how, signal.SIGTERM, default_runs / "ddp", tiny_data,
-                                                   tmp_path / how.replace(" ", "_"))
-                   for how in ("agent", "every process")])
+    """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group), then to every process
+    of the job that resumed it, loader workers included (SLURM's scancel and preemption; a job preempted twice):
+    each stop after the job's own first step, each saved, and the last resume ends with the uninterrupted weights."""
+    stop_and_resume("ddp", ("agent", "every process"), signal.SIGTERM, default_runs / "ddp", tiny_data, tmp_path)
 
 
 @ahead_fixture
@@ -60,7 +67,7 @@ def preemption_jobs(out, default_runs, tiny_data):
     killed or failed by its own events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal
     must land within the fraction of a second that evaluation takes here.)"""
     ddp, amp = default_runs / "ddp", default_runs / "amp"
-    return outcomes(ctrl_c=lambda: stop_and_resume("amp", "group", signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
+    return outcomes(ctrl_c=lambda: stop_and_resume("amp", ("group",), signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
                     elastic=lambda: elastic_restart(ddp, tiny_data, out / "elastic"),
                     diverging_single=lambda: diverge("single", tiny_data, out / "single"),
                     diverging_ddp=lambda: diverge("ddp", tiny_data, out / "ddp"))
