@@ -300,25 +300,33 @@ def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(fsdp_option
 
 def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(runs, tiny_data, bare, tmp_path):
     """--hsdp 2 on 4 processes: 2 replicas, each sharded over 2 (a 2-D mesh), batch 4 each: the weights of one
-    process with batch 16 and of FSDP 2 x 8 within TOL (the gradients reduced in another order). Killed mid-epoch
-    (--save-every 1), its sharded checkpoint continues at HSDP 2 x 2 to the uninterrupted weights bit for bit, and
-    at FSDP 3 from the same sample."""
+    process with batch 16 and of FSDP 2 x 8 within TOL (the gradients reduced in another order). Its mid-epoch
+    checkpoint (--save-every 1), as a SIGKILL would leave it (copied while every process of the job is paused: the
+    same run is the uninterrupted one), continues at HSDP 2 x 2 to the run's own weights bit for bit, and at FSDP 3
+    from the same sample."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
-    hsdp = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--output-dir", tmp_path / "whole", timeout=200))
-    assert "global batch 16 = 4 per process x 4 processes" in hsdp.stdout
+    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                        "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "whole"], cwd=bare,
+                       env=job_env(), timeout=200), []
+    paused = read_until(job, lines, "epoch 2/2  step 1/3")  # step 3 saved by now, step 4 perhaps
+    if paused:
+        deliver(job, "every process", signal.SIGSTOP)
+        try:  # last.pt, written after the sharded folder it names is complete, and that folder
+            shutil.copy(tmp_path / "whole" / "last.pt", tmp_path / "saved.pt")
+            checkpoint = torch.load(tmp_path / "saved.pt", weights_only=True)
+            shutil.copytree(tmp_path / "whole" / checkpoint["optimizer"], tmp_path / "killed" / checkpoint["optimizer"])
+            shutil.move(tmp_path / "saved.pt", tmp_path / "killed" / "last.pt")
+        finally:
+            deliver(job, "every process", signal.SIGCONT)
+    output = finish(job, lines, timeout=120)
+    assert paused and job.returncode == 0, output[-3000:]
+    assert "global batch 16 = 4 per process x 4 processes" in output
     sharded = results(tmp_path / "whole")["bytes_per_rank"]["params"]  # over 2 processes, not 4
     assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
                                     rel=0.01), sharded
     whole = load_model_state(tmp_path / "whole" / "last.pt")
     for reference in (runs["single"], runs["dir"] / "fsdp"):
         assert_same_weights(whole, load_model_state(reference / "last.pt"), atol=TOL)
-    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                        "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "killed"], cwd=bare,
-                       env=job_env(), timeout=200), []
-    if read_until(job, lines, "epoch 2/2  step 1/3"):  # step 3 saved by now, step 4 perhaps
-        deliver(job, "every process", signal.SIGKILL)
-    finish(job, lines, timeout=60)
-    checkpoint = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
     shutil.copytree(tmp_path / "killed", tmp_path / "saved")
     again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "killed",
