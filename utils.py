@@ -548,6 +548,7 @@ def one_line_errors():
         if local_rank_0() or isinstance(error, BadImageError):
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:  # give local rank 0 time to print it: the launcher stops every rank once one of them has failed
+            end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(10)
     except KeyboardInterrupt:
@@ -568,11 +569,17 @@ def one_line_errors():
                       f"missing or stuck; start every process (every node), or raise --dist-timeout", file=sys.stderr)
         else:
             traceback.print_exc()
+    end_loader_workers()
+    destroy_process_group()
+    sys.exit(status)
+
+
+def end_loader_workers():
+    """Kill this process's loader workers: they ignore SIGTERM, and would outlive it by up to 5 s, holding the job's
+    output open (the DataLoader's check for a dead parent)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
     for worker in multiprocessing.active_children():
         worker.kill()
-    destroy_process_group()
-    sys.exit(status)
 
 
 def destroy_process_group():

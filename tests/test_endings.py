@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import (BF16, DEFAULTS, EXACT, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_same_weights,
-                      descendants, finish, free_port, job_env, load_model_state, ok, outcomes, read_until, run_job,
-                      side_by_side, start)
+                      descendants, finish, free_port, job_env, load_model_state, ok, outcomes, popen, read_until,
+                      run_job, side_by_side, start)
 
 
 def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
@@ -36,6 +36,26 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     assert "Traceback" not in output and "run.sh: the launcher's full report: " in output, output[-3000:]
     assert_gone(pids)
     assert_job_gone(job.token)
+
+
+def test_an_error_after_the_loader_workers_started_leaves_no_process_once_torchrun_ends(tiny_data, tmp_path):
+    """An unreadable --resume, found by both ranks after their loader workers started (one each, the default on a
+    CPU): local rank 0 says so, rank 1 waits for the launcher to stop it. When torchrun has ended, no process of the
+    job is left: rank 1 ended its workers before it waited (they ignore SIGTERM; before, they outlived the job by up
+    to 5 s, and whatever read its output waited for them)."""
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "train_ddp_torchrun.py", *DEFAULTS, "--data-path", tiny_data, "--resume", bad,
+                        "--output-dir", tmp_path / "run"], env=job_env(), timeout=120), []
+    job.wait(timeout=120)  # torchrun's own end, not its output's
+    try:
+        assert_job_gone(job.token, within=0)
+    finally:
+        output = finish(job, lines, timeout=60)
+    assert job.returncode == 1, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(bad) in errors[0], output[-3000:]
 
 
 def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_killed, tiny_data, tmp_path):
