@@ -48,8 +48,8 @@ def test_an_error_after_the_loader_workers_started_leaves_no_process_once_torchr
     job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         "train_ddp_torchrun.py", *DEFAULTS, "--data-path", tiny_data, "--resume", bad,
                         "--output-dir", tmp_path / "run"], env=job_env(), timeout=120), []
-    job.wait(timeout=120)  # torchrun's own end, not its output's
     try:
+        job.wait(timeout=120)  # torchrun's own end, not its output's
         assert_job_gone(job.token, within=0)
     finally:
         output = finish(job, lines, timeout=60)
