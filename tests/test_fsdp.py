@@ -312,10 +312,10 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     if paused:
         deliver(job, "every process", signal.SIGSTOP)
         try:  # last.pt, written after the sharded folder it names is complete, and that folder
-            shutil.copy(tmp_path / "whole" / "last.pt", tmp_path / "saved.pt")
-            checkpoint = torch.load(tmp_path / "saved.pt", weights_only=True)
-            shutil.copytree(tmp_path / "whole" / checkpoint["optimizer"], tmp_path / "killed" / checkpoint["optimizer"])
-            shutil.move(tmp_path / "saved.pt", tmp_path / "killed" / "last.pt")
+            (tmp_path / "copied").mkdir()
+            shutil.copy(tmp_path / "whole" / "last.pt", tmp_path / "copied")
+            checkpoint = torch.load(tmp_path / "copied" / "last.pt", weights_only=True)
+            shutil.copytree(tmp_path / "whole" / checkpoint["optimizer"], tmp_path / "copied" / checkpoint["optimizer"])
         finally:
             deliver(job, "every process", signal.SIGCONT)
     output = finish(job, lines, timeout=120)
@@ -328,11 +328,11 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     for reference in (runs["single"], runs["dir"] / "fsdp"):
         assert_same_weights(whole, load_model_state(reference / "last.pt"), atol=TOL)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
-    shutil.copytree(tmp_path / "killed", tmp_path / "saved")
-    again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "killed",
+    shutil.copytree(tmp_path / "copied", tmp_path / "saved")
+    again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "copied",
                         timeout=200))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
-    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), whole)
+    assert_same_weights(load_model_state(tmp_path / "copied" / "last.pt"), whole)
     three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
                         tmp_path / "three", timeout=200))
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
