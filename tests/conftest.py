@@ -452,6 +452,23 @@ def finish(job, lines, timeout):
     return "".join(lines)
 
 
+def copy_while_paused(job, folder, copy):
+    """Pause every process of the job (SIGSTOP), copy folder's last.pt into the new folder `copy`, with the sharded
+    folder it names (FSDP), and let the job go on (SIGCONT): the checkpoint a SIGKILL at that moment would leave
+    (last.pt is replaced atomically, after the shards it names are complete), while the job stays the uninterrupted
+    run. Returns the copied checkpoint."""
+    deliver(job, "every process", signal.SIGSTOP)
+    try:
+        copy.mkdir()
+        shutil.copy(folder / "last.pt", copy)
+        checkpoint = torch.load(copy / "last.pt", weights_only=True)
+        if isinstance(checkpoint["optimizer"], str):  # FSDP: the name of the sharded folder
+            shutil.copytree(folder / checkpoint["optimizer"], copy / checkpoint["optimizer"])
+    finally:
+        deliver(job, "every process", signal.SIGCONT)
+    return checkpoint
+
+
 def assert_job_gone(token, within=30):
     """No process that carries the job's token (job_processes) is left, zombies aside."""
     deadline = time.time() + within
@@ -552,11 +569,18 @@ def fsdp_killed(out, tiny_data):
 @ahead_fixture
 def amp_run(out, tiny_data, bare, hub_cache):
     """train_ddp_amp.py (bf16 autocast on the CPU), 2 processes x batch 8, with the arguments of test_ddp.py's
-    torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run."""
-    proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                       "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every",
-                       "2", "--output-dir", out / "run"], cwd=bare, env=hub_env(hub_cache), timeout=150))
-    return {"dir": out / "run", "proc": proc}
+    torchrun reference run (NAMED_WEIGHTS): test_ddp.py's amp tests and test_compile.py's eager run. Its checkpoint
+    when step 3 of epoch 1 is logged (after step 2, or the epoch's end) is copied while the job is paused
+    (copy_while_paused): test_compile.py resumes it compiled. {"dir", "proc" (CompletedProcess, output merged),
+    "paused": (the copy's folder, its checkpoint)}."""
+    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every",
+                        "2", "--output-dir", out / "run"], cwd=bare, env=hub_env(hub_cache), timeout=150), []
+    if read_until(job, lines, "epoch 1/2  step 3/3"):
+        paused = out / "paused", copy_while_paused(job, out / "run", out / "paused")
+    output = finish(job, lines, timeout=150)
+    assert job.returncode == 0 and (out / "paused").is_dir(), output[-3000:]
+    return {"dir": out / "run", "proc": subprocess.CompletedProcess(job.args, 0, output, ""), "paused": paused}
 
 
 @ahead_fixture

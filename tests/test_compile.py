@@ -2,16 +2,19 @@
 
 Compiling is what costs here: on 2 processes x 1 thread, resnet18 at 32 px took ~21 s to its first step with a
 frozen backbone and ~56 s without (the backward graph then covers every layer), with an empty inductor cache. So
-there is one test, with --freeze (only the head trains, BatchNorm in eval mode), and its own empty cache, so that
-it costs the same on a fresh machine as on a warm one; the resumed run then finds the kernels already compiled. The
-eager run it is compared with is conftest.amp_run (the same arguments, without --compile), shared with test_ddp.py.
+there is one compiled job, with --freeze (only the head trains, BatchNorm in eval mode), and its own empty cache, so
+that it costs the same on a fresh machine as on a warm one. It resumes the eager run's mid-epoch checkpoint
+(conftest.amp_run: the same arguments without --compile, shared with test_ddp.py; its checkpoint copied while it
+ran) and must end where that run ended.
 """
+import shutil
+
 import torch
 import torchvision
 
 import utils
 from conftest import (BF16, NAMED_WEIGHTS, assert_resumed_after, assert_same_weights, checkpoint_step, hub_env,
-                      kill_mid_epoch, load_model_state, ok, run_sh)
+                      load_model_state, ok, run_sh)
 
 # bf16 autocast: inductor fuses and rounds differently from eager, and the head's weights end ~5e-5 apart after 3
 # steps (measured); a rank that skipped the all-reduce, or a step lost on resume, moves them by ~1e-3.
@@ -19,16 +22,16 @@ TOL = 5e-4
 
 
 def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(amp_run, hub_cache, tiny_data, tmp_path):
-    cache = tmp_path / "inductor"  # a cold compile, every time; only the compiled runs below use it
+    """The compiled model resumes a checkpoint (loaded into the plain module inside the compiled DDP wrapper), trains
+    to the end within TOL of the eager run, and saves plain keys: a resnet18 loads them strictly, and so does the
+    next --resume, compiled or not."""
+    cache = tmp_path / "inductor"  # a cold compile, every time
     env = hub_env(hub_cache, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    args = [*NAMED_WEIGHTS, *BF16, "-b", "8", "--data-path", tiny_data]
-    # compiled, SIGKILLed in epoch 1 after a mid-epoch checkpoint, then resumed, compiled again
-    assert not cache.exists()
-    checkpoint = kill_mid_epoch("amp", [*args, "--compile"], tmp_path / "compiled", env=env)
-    kernels = compiled_kernels(cache)
-    assert kernels, "--compile compiled nothing: the test's inductor cache is empty"
-    resumed = ok(run_sh("amp", 2, *args, "--compile", "--resume", "auto", "--output-dir", tmp_path / "compiled",
-                        env=env))
+    paused, checkpoint = amp_run["paused"]  # after step 2 of epoch 1, or after epoch 1
+    shutil.copytree(paused, tmp_path / "compiled")
+    resumed = ok(run_sh("amp", 2, *NAMED_WEIGHTS, *BF16, "-b", "8", "--data-path", tiny_data, "--compile", "--resume",
+                        "auto", "--output-dir", tmp_path / "compiled", env=env))
+    assert compiled_kernels(cache), "--compile compiled nothing: the test's inductor cache is empty"
     assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 3))
 
     state = load_model_state(tmp_path / "compiled" / "last.pt")

@@ -14,7 +14,7 @@ import torchvision
 
 import utils
 from conftest import (DEFAULTS, EXACT, REPO, ahead_fixture, assert_resumed_after, assert_same_weights, checkpoint_step,
-                      collectives_per_step, deliver, finish, job_env, load_model_state, ok, outcomes, popen,
+                      collectives_per_step, copy_while_paused, deliver, finish, job_env, load_model_state, ok, outcomes, popen,
                       read_until, run_job, run_sh, side_by_side, start)
 from test_ddp import run_and_kill_one_worker
 
@@ -111,32 +111,16 @@ def test_accumulation_reduce_scatters_on_the_last_micro_step_only(fsdp_short_job
     assert accum["allgather"] == 2 * plain["allgather"] > 0, (plain, accum)
 
 
-def test_resume_at_another_world_size_continues_and_at_the_same_one_ends_bitwise_equal(runs, fsdp_killed, tiny_data,
-                                                                                       bare, tmp_path):
+def test_a_killed_run_resumed_at_its_world_size_ends_bitwise_equal(runs, fsdp_killed, tiny_data, bare, tmp_path):
     """Killed mid-epoch at 2 processes (SIGKILL of the whole job, run.sh fsdp; conftest.fsdp_killed): the sharded
-    checkpoint continues at 3 processes from the same sample with the LR of the new global batch, and at 2 processes
-    to the uninterrupted weights bit for bit (same ranks, batches and summation order; DCP restores every parameter
-    and momentum exactly, and with --freeze the BatchNorm statistics never change)."""
+    checkpoint continues at 2 processes to the uninterrupted weights bit for bit (same ranks, batches and summation
+    order; DCP restores every parameter and momentum exactly, and with --freeze the BatchNorm statistics never
+    change). (At another world size: the HSDP test below, from 2 x 2 to 3.)"""
     args = [*COMMON, "--data-path", tiny_data, "-b", "8"]
     killed, checkpoint = fsdp_killed
     assert (killed / checkpoint["optimizer"] / ".metadata").is_file()
-    for name in ("saved", "saved2"):  # a copy for each of the resumes, which run side by side
-        shutil.copytree(killed, tmp_path / name)
-
-    three, again = side_by_side(
-        lambda: ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
-                            tmp_path / "three")),
-        lambda: ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved2" / "last.pt", "--output-dir",
-                            tmp_path / "again")))
-    assert f"epoch 1 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
-    # in steps of 24 (2 an epoch): 16 samples done leave one step of epoch 1, 32 leave none (too few for a step)
-    assert assert_resumed_after(three.stdout)[0] == {16: 2, 32: 3}[checkpoint["samples"]], three.stdout[-3000:]
-    assert "lr 0.1 x 24/256 = 0.009375" in three.stdout
-    first = next(line for line in three.stdout.splitlines() if "  step " in line)  # as in test_scale.py
-    epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
-    expected = 0.009375 * utils.warmup_cosine(2 * 2)((epoch - 1) * 2 + step - 1)
-    assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
-
+    shutil.copytree(killed, tmp_path / "saved")
+    again = ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
@@ -303,21 +287,14 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     process with batch 16 and of FSDP 2 x 8 within TOL (the gradients reduced in another order). Its mid-epoch
     checkpoint (--save-every 1), as a SIGKILL would leave it (copied while every process of the job is paused: the
     same run is the uninterrupted one), continues at HSDP 2 x 2 to the run's own weights bit for bit, and at FSDP 3
-    from the same sample."""
+    from the same sample, with the LR of its global batch."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
     job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "whole"], cwd=bare,
                        env=job_env(), timeout=200), []
     paused = read_until(job, lines, "epoch 2/2  step 1/3")  # step 3 saved by now, step 4 perhaps
     if paused:
-        deliver(job, "every process", signal.SIGSTOP)
-        try:  # last.pt, written after the sharded folder it names is complete, and that folder
-            (tmp_path / "copied").mkdir()
-            shutil.copy(tmp_path / "whole" / "last.pt", tmp_path / "copied")
-            checkpoint = torch.load(tmp_path / "copied" / "last.pt", weights_only=True)
-            shutil.copytree(tmp_path / "whole" / checkpoint["optimizer"], tmp_path / "copied" / checkpoint["optimizer"])
-        finally:
-            deliver(job, "every process", signal.SIGCONT)
+        checkpoint = copy_while_paused(job, tmp_path / "whole", tmp_path / "copied")
     output = finish(job, lines, timeout=120)
     assert paused and job.returncode == 0, output[-3000:]
     assert "global batch 16 = 4 per process x 4 processes" in output
@@ -333,10 +310,18 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
                         timeout=200))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "copied" / "last.pt"), whole)
+    # at FSDP 3 x 4 (the 2-D mesh's shards redistributed over a 1-D one): the same sample, with the LR of global
+    # batch 12 at this step of the new run's schedule (4 steps an epoch)
     three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
                         tmp_path / "three", timeout=200))
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
-    assert_resumed_after(three.stdout)
+    assert "lr 0.1 x 12/256 = 0.0046875" in three.stdout
+    # 0 samples of epoch 2 done leave its 4 steps of 12, 16 leave 2 (its steps 3 and 4)
+    assert assert_resumed_after(three.stdout)[0] == {0: 5, 16: 7}[checkpoint["samples"]], three.stdout[-3000:]
+    first = next(line for line in three.stdout.splitlines() if "  step " in line)  # as in test_scale.py
+    epoch, step = int(first.split("/")[0].split()[-1]), int(first.split("step ")[1].split("/")[0])
+    expected = 0.0046875 * utils.warmup_cosine(2 * 4)((epoch - 1) * 4 + step - 1)
+    assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
 
 
 def test_clip_grad_clips_the_global_norm_of_the_shards(runs, fsdp_option_jobs, tiny_data, bare, tmp_path):

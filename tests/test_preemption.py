@@ -53,12 +53,18 @@ def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
     assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
+@ahead_fixture
+def sigterm_twice(out, default_runs, tiny_data):
+    """The next test's jobs, made ahead (conftest.Ahead) beside the tests before it."""
+    stop_and_resume("ddp", ("agent", "every process"), signal.SIGTERM, default_runs / "ddp", tiny_data, out)
+
+
 @pytest.mark.quick
-def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(sigterm_twice):
     """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group), then to every process
     of the job that resumed it, loader workers included (SLURM's scancel and preemption; a job preempted twice):
-    each stop after the job's own first step, each saved, and the last resume ends with the uninterrupted weights."""
-    stop_and_resume("ddp", ("agent", "every process"), signal.SIGTERM, default_runs / "ddp", tiny_data, tmp_path)
+    each stop after the job's own first step, each saved, and the last resume ends with the uninterrupted weights
+    (stop_and_resume)."""
 
 
 @ahead_fixture

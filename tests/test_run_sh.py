@@ -120,11 +120,20 @@ def sighup(how, args, folder):
     return checkpoint_step(torch.load(folder / "run" / "last.pt", weights_only=True), 3)
 
 
-def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+@ahead_fixture
+def hung_up_twice(out, default_runs, tiny_data):
+    """The next test's jobs, made ahead (conftest.Ahead) beside the tests before it."""
+    hang_up_twice(default_runs, tiny_data, out)
+
+
+def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(hung_up_twice):
     """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
     the ranks' output can no longer be written there), then a shell passes its hangup on to the process group of
     the run.sh that resumed it: each stopped after the job's own first step and saved it; a last --resume auto ends
-    with the uninterrupted weights."""
+    with the uninterrupted weights (hang_up_twice)."""
+
+
+def hang_up_twice(default_runs, tiny_data, tmp_path):
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     closed = sighup("terminal closes", args, tmp_path)
     assert 1 <= closed <= 3, closed  # (the job starts and saves in epoch 1; its 3 steps are all it may reach)
@@ -160,12 +169,19 @@ def bad_input_through_run_sh(mode, nproc, case, tiny_data, folder):
     print(f"{mode} {nproc}, {case}: {errors[0]} ({time.time() - started:.1f} s)")
 
 
-def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(tiny_data, tmp_path):
-    """Three cases side by side (each job ends within seconds, most of them spent starting up)."""
+@ahead_fixture
+def bad_inputs_through_run_sh(out, tiny_data):
+    """The next test's three cases side by side (each job ends within seconds, most of them spent starting up), made
+    ahead (conftest.Ahead) beside the tests before it."""
     side_by_side(*[lambda mode=mode, nproc=nproc, case=case: bad_input_through_run_sh(mode, nproc, case, tiny_data,
-                                                                                      tmp_path / mode)
+                                                                                      out / mode)
                    for mode, nproc, case in (("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
                                              ("fsdp", 2, "unreadable --resume"))])
+
+
+def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(bad_inputs_through_run_sh):
+    """ddp 2 with a missing --data-path, amp 1 with --epochs 0, fsdp 2 with an unreadable --resume
+    (bad_input_through_run_sh)."""
 
 
 # The launcher's report after a rank failed, captured from `bash run.sh ddp 2 --epochs 0` (site-packages paths cut).

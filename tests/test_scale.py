@@ -137,17 +137,27 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     return model.state_dict()
 
 
-def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, tiny_data, tmp_path):
+@ahead_fixture
+def resumed_elsewhere(out, ddp_killed, tiny_data):
+    """The next test's two jobs side by side (one thread per process), made ahead (conftest.Ahead) beside the tests
+    before it: {"three": the 3-process run, "one": the 1-process run}; each ran in out / its name."""
+    saved, _ = ddp_killed
+    args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
+    three, one = side_by_side(
+        lambda: ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", out / "three")),
+        lambda: ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
+                              out / "one", env=job_env())))
+    return {"three": three, "one": one, "dir": out}
+
+
+def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, resumed_elsewhere,
+                                                                            tiny_data):
     """A checkpoint saved mid-epoch by 2 processes x batch 8 (conftest.ddp_killed) continues on 3 processes x batch 8,
     and in one process with batch 24: the same samples from the same point, the LR of the new global batch, and the
     weights this test computes itself from the checkpoint and the shuffled order (continue_here, which does not use
     the scripts' skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
     saved, checkpoint = ddp_killed
-    args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
-    three, one = side_by_side(  # one thread per process
-        lambda: ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three")),
-        lambda: ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
-                              tmp_path / "one", env=job_env())))
+    three, one = resumed_elsewhere["three"], resumed_elsewhere["one"]
     for proc in (three, one):
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout
@@ -163,7 +173,7 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
     saved = checkpoint["model"]
     assert (reference["fc.weight"] - saved["fc.weight"]).abs().max() > 100 * TOL  # the steps left moved the head
     for name in ("three", "one"):
-        assert_same_weights(load_model_state(tmp_path / name / "last.pt"), reference, atol=TOL)
+        assert_same_weights(load_model_state(resumed_elsewhere["dir"] / name / "last.pt"), reference, atol=TOL)
 
 
 def read_lines(job, into):
