@@ -412,9 +412,20 @@ def test_demo_data_is_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
+@ahead_fixture
+def bad_inputs(out, single_runs, tiny_data):
+    """The next test's runs, made ahead (conftest.Ahead) beside the tests before it (bad_input_gives_one_error_line)."""
+    check_ok(single_runs["baseline"].proc)
+    bad_input_gives_one_error_line(single_runs["baseline"], tiny_data, out)
+
+
 @pytest.mark.quick
-def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
-    """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched."""
+def test_bad_input_gives_one_error_line(bad_inputs):
+    """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched
+    (bad_input_gives_one_error_line)."""
+
+
+def bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     missing = tmp_path / "no-such-folder"
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a dataset\n")
@@ -444,7 +455,9 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     text_pt = tmp_path / "x.pt"
     text_pt.write_text("this is not a checkpoint\n")
     resnet50 = tmp_path / "resnet50.pt"
-    torch.save(torchvision.models.resnet50().state_dict(), resnet50)
+    with torch.device("meta"):  # its keys and shapes, without drawing from the random state another thread may use
+        shapes = torchvision.models.resnet50().state_dict()
+    torch.save({key: torch.zeros(t.shape, dtype=t.dtype) for key, t in shapes.items()}, resnet50)
     cut_weights = tmp_path / "cut_weights.pth"
     cut_weights.write_bytes(resnet50.read_bytes()[:100_000])
     # A hub cache (TORCH_HOME) with no resnet18 weights and a half-downloaded resnet34 file; no network at all
