@@ -97,6 +97,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "alone: no reference run in the background beside this test (conftest.Ahead)")
 
 
+def pytest_collection_modifyitems(items):
+    """tests/test_bench.py first: its one job runs one process at a time, and so leaves a core to the first runs made
+    ahead (conftest.Ahead: test_adapting.py's, two at a time), which the first test would otherwise wait for alone."""
+    items.sort(key=lambda item: item.module.__name__ != "test_bench")  # (a stable sort: the rest keep their order)
+
+
 def make_dataset(root, counts, size=32, ext=".jpg"):
     """Write a deterministic class-folder image dataset and return its root as a Path.
 
@@ -615,6 +621,34 @@ def fsdp_references(out, tiny_data, bare):
     return {"dir": out, "fsdp": fsdp, "bn": out / "bn"}
 
 
+@ahead_fixture
+def evaluations(out, default_runs, tiny_data, bare):
+    """--test-only of conftest.default_runs' last.pt (BatchNorm training, default loader workers) by each DDP rung at
+    1, 2 and 3 processes, two at a time: test_ddp.py proves the count and sums the same whatever the processes,
+    test_scale.py each equal to what the run logged. {name: results.json}: "single" (train_single.py), "launch"
+    (train_ddp_launch.py, 2 processes under torch.distributed.launch), "alone" (train_ddp_launch.py --local_rank=0,
+    the old spelling, with a launcher's variables and no launcher), "torchrun" (train_ddp_torchrun.py, 3 processes),
+    "amp" (train_ddp_amp.py, 2 processes, of the amp run's last.pt)."""
+    def evaluate(name, started_as, mode):
+        command = [sys.executable, *started_as, "--test-only", "--resume", default_runs / mode / "last.pt",
+                   "--data-path", tiny_data, "--img-size", "32", "--val-fraction", "0.25",
+                   *(BF16 if mode == "amp" else []), "--output-dir", out / name]
+        env = job_env(**(alone_env if name == "alone" else {}))
+        ok(run_job(command, cwd=bare, env=env, timeout=150))
+        return json.loads((out / name / "results.json").read_text())
+
+    def launched(module, nproc, script):
+        return ["-m", module, "--standalone", f"--nproc-per-node={nproc}", script]
+    alone_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cases = {"single": (["train_single.py"], "ddp"),
+             "launch": (launched("torch.distributed.launch", 2, "train_ddp_launch.py"), "ddp"),
+             "alone": (["train_ddp_launch.py", "--local_rank=0"], "ddp"),
+             "torchrun": (launched("torch.distributed.run", 3, "train_ddp_torchrun.py"), "ddp"),
+             "amp": (launched("torch.distributed.run", 2, "train_ddp_amp.py"), "amp")}
+    return dict(zip(cases, side_by_side(*[lambda name=name: evaluate(name, *cases[name]) for name in cases])))
+
+
 def cpu_times():
     """(all, idle) CPU time of this machine so far, in clock ticks (/proc/stat; (0, 0) where there is none)."""
     try:
@@ -630,9 +664,10 @@ class Ahead:
 
     At most CREDIT runs ahead of the last one a test has asked for: the background work is spread over the session
     instead of piling onto its first minutes (its cores are busy there already, and idle later, in modules whose jobs
-    mostly wait). Beyond that only while the cores sit idle: over half their time idle for IDLE_WINDOW seconds (the
-    tests are waiting for a timeout, a rendezvous, a signal's effect)."""
-    CREDIT, IDLE_WINDOW = 2, 3
+    mostly wait). Beyond that only while the cores sit idle: over IDLE of their time idle for IDLE_WINDOW seconds (the
+    tests are waiting for a timeout, a rendezvous, a signal's effect, or run one process at a time: on 2 cores that
+    leaves one idle, half their time)."""
+    CREDIT, IDLE, IDLE_WINDOW = 2, 0.3, 3
 
     def __init__(self, request, tmp_path_factory):
         used = []
@@ -663,7 +698,7 @@ class Ahead:
                 while not (self.stopping or queued <= self.asked + self.CREDIT):
                     (total, idle), notified = cpu_times(), self.turn.wait(self.IDLE_WINDOW)
                     total_now, idle_now = cpu_times()
-                    if not notified and idle_now - idle > 0.5 * (total_now - total):
+                    if not notified and idle_now - idle > self.IDLE * (total_now - total):
                         break  # the cores sat idle: use them
             with self.quiet:
                 if self.stopping:

@@ -17,7 +17,7 @@ import torch
 import utils
 from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, ahead_fixture, assert_resumed_after, assert_same_weights,
                       collectives_per_step, finish, free_port, hub_env, job_env, kill_job, load_model_state,
-                      make_dataset, ok, outcomes, popen, run_job, run_script, run_sh, side_by_side)
+                      make_dataset, ok, outcomes, popen, run_job, run_sh, side_by_side)
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -86,27 +86,17 @@ def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache
         assert (trained["fc.weight"] - initial["fc.weight"]).abs().max() > 1e-3, f"{name}: the head did not train"
 
 
-def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
-    """17 validation images: DistributedSampler would pad them to 18; every count and sum must match 1 process."""
-    checkpoint = runs["dir"] / "single" / "last.pt"
-    common = ["--test-only", "--resume", checkpoint, "--data-path", tiny_data, "--img-size", "32",
-              "--val-fraction", "0.25", "--workers", "0"]
-    # --local_rank (the old spelling) is accepted too; "alone" is its own launcher
-    env = job_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(free_port()))
-    side_by_side(lambda: ok(run_script(bare / "train_single.py", *common, "--output-dir", tmp_path / "one", cwd=bare,
-                                       env=job_env())),
-                 lambda: ok(torchrun(bare, 2, "train_ddp_launch.py", *common, "--output-dir", tmp_path / "two",
-                                     launcher="torch.distributed.launch")),
-                 lambda: ok(torchrun(bare, 3, "train_ddp_torchrun.py", *common, "--output-dir", tmp_path / "three")),
-                 lambda: ok(run_script(bare / "train_ddp_launch.py", "--local_rank=0", *common, "--output-dir",
-                                       tmp_path / "alone", cwd=bare, env=env)))
-    one = results(tmp_path / "one")
+def test_evaluation_is_exact_for_any_world_size(evaluations):
+    """17 validation images: DistributedSampler would pad them to 18; every count and sum must match 1 process
+    (conftest.evaluations: one checkpoint evaluated by train_single.py, train_ddp_launch.py at 2 processes and alone
+    with --local_rank=0, the old spelling, and train_ddp_torchrun.py at 3)."""
+    one = evaluations["single"]
     assert one["val_count"] == 17
-    for name in ("two", "three", "alone"):
-        other = results(tmp_path / name)
+    for name in ("launch", "alone", "torchrun"):
+        other = evaluations[name]
         assert other["val_count"] == 17 and other["val_acc"] == one["val_acc"], (name, other, one)
         assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), name
+        assert other["confusion"] == one["confusion"], name
 
 
 @ahead_fixture
