@@ -140,9 +140,11 @@ def device_cuda_1(tiny_data):
 
 
 TEARDOWN = r"""
-import os, sys, torch, torch.distributed as dist
+import gc, os, sys, torch, torch.distributed as dist
+gc.disable()  # (a program that runs without the collector: importing utils must leave it off)
 sys.path.insert(0, sys.argv[1])
 import utils
+print("collector after importing utils:", "on" if gc.isenabled() else "off")
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 dist.init_process_group("gloo", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
@@ -159,7 +161,8 @@ TEARDOWN_CASES = ["as in torch 2.14", "renamed"]
 @pytest.mark.parametrize("case", TEARDOWN_CASES)
 def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(endings_jobs, case):
     """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
-    torch release renames it, the exit must still end with the script's own status, not a traceback."""
+    torch release renames it, the exit must still end with the script's own status, not a traceback. (And importing
+    utils, which imports torchvision with the garbage collector paused, leaves it as the program had it: off here.)"""
     endings_jobs[case].get()
 
 
@@ -167,4 +170,5 @@ def teardown(case):
     env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = run_job([sys.executable, "-c", TEARDOWN, REPO, case], env=env, timeout=60)
     assert proc.returncode == 0 and "initialized after: False" in proc.stdout, proc.stderr[-2000:]
+    assert "collector after importing utils: off" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
