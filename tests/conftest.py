@@ -272,6 +272,16 @@ def hub_cache(tmp_path_factory):
     return torch_home, state
 
 
+@pytest.fixture(scope="session")
+def initial_weights():
+    """The weights every script starts from on 3 classes (its seed 0, then utils.torchvision_model("resnet18", 3)),
+    made once in the main thread: a run made ahead (conftest.Ahead) must not draw from the global random state while
+    a test does."""
+    import utils
+    torch.manual_seed(0)
+    return utils.torchvision_model("resnet18", 3).state_dict()
+
+
 # ------------------------------------------------------------------------------------- jobs started by run.sh
 # What a user runs, made small: default --workers, no --freeze (BatchNorm trains), 2 epochs of 3 steps
 DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]
@@ -684,6 +694,7 @@ class Ahead:
         self.quiet, self.stopping, self.made = threading.Lock(), False, {name: concurrent.futures.Future()
                                                                            for name in used}
         self.turn, self.asked = threading.Condition(), -1  # the last run in the queue a test has asked for
+        self.holding = False  # quiet held by the tests marked alone (hold)
         self.jobs = []
         for name in used:  # what each needs, made here first (quick, and not thread-safe), or by an earlier run
             needs = list(inspect.signature(AHEAD[name]).parameters)[1:]
@@ -711,12 +722,24 @@ class Ahead:
                     self.made[name].set_exception(error)
 
     def get(self, name):
+        if self.holding and not self.made[name].done():  # a run not made yet: let the thread make it
+            self.hold(False)
         with self.turn:
             self.asked = max(self.asked, [job[0] for job in self.jobs].index(name))
             self.turn.notify_all()
         return self.made[name].result()
 
+    def hold(self, alone):
+        """Hold back the background runs from a test marked alone until the next test that is not: the run in
+        progress ends first, and none starts between two such tests."""
+        if alone and not self.holding:
+            self.quiet.acquire()
+        elif not alone and self.holding:
+            self.quiet.release()
+        self.holding = alone
+
     def stop(self):
+        self.hold(False)
         with self.turn:
             self.stopping = True
             self.turn.notify_all()
@@ -732,12 +755,8 @@ def ahead(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, ahead):
-    """A test marked `alone` waits for the reference run in progress and holds back the next one."""
-    if request.node.get_closest_marker("alone") is None:
-        yield
-        return
-    with ahead.quiet:
-        yield
+    """A test marked `alone` waits for the reference run in progress and holds back the next one (Ahead.hold)."""
+    ahead.hold(request.node.get_closest_marker("alone") is not None)
 
 
 def kill_mid_epoch(mode, args, output_dir, env=None):

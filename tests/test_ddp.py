@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 
-import utils
 from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, ahead_fixture, assert_resumed_after, assert_same_weights,
                       collectives_per_step, finish, free_port, hub_env, job_env, kill_job, load_model_state,
                       make_dataset, ok, outcomes, popen, run_job, run_sh, side_by_side)
@@ -72,12 +71,11 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     assert results(out / name)["confusion"] == results(out / "single")["confusion"]  # summed over the ranks
 
 
-def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache):
+def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache, initial_weights):
     """--weights IMAGENET1K_V1 with --freeze: the backbone ends exactly as the cached file holds it and the new
     3-class head trained, in every script; no rank tried the network (every proxy points at a closed port)."""
     _, pretrained = hub_cache
-    torch.manual_seed(0)  # the scripts' seed: the new head starts as this model's
-    initial = utils.torchvision_model("resnet18", 3).state_dict()
+    initial = initial_weights  # the new head starts as this model's
     for name in ("single", "dp", "launch", "ddp"):
         trained = load_model_state(runs["dir"] / name / "last.pt")
         assert_same_weights({k: trained[k] for k in pretrained if not k.startswith("fc.")},
@@ -197,12 +195,10 @@ def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
 CLIP = 1e-3
 
 
-def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs):
+def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs, initial_weights):
     """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
-    clip, proc = CLIP, ddp_side_jobs["clipped"].get()
-    torch.manual_seed(0)  # the scripts' seed: the head starts as this model's
-    initial = utils.torchvision_model("resnet18", 3).state_dict()
+    clip, proc, initial = CLIP, ddp_side_jobs["clipped"].get(), initial_weights  # the head starts as initial's
     moved = {}
     for name, folder in (("clipped", ddp_side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
         state = load_model_state(folder / "last.pt")

@@ -108,7 +108,7 @@ def baseline(runs):
 
 
 @pytest.mark.quick
-def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
+def test_same_seed_gives_bitwise_identical_weights(runs, baseline, initial_weights):
     """The repeat ran with --resume auto in a folder without last.pt: it started fresh, from step 1 (and with 2 loader
     workers: the next test)."""
     check_ok(runs["repeat"].proc)
@@ -118,10 +118,8 @@ def test_same_seed_gives_bitwise_identical_weights(runs, baseline):
     assert_same_weights(trained, load_model_state(runs["repeat"].dir / "last.pt"))
     assert_same_weights(load_model_state(baseline.dir / "best.pt"), load_model_state(runs["repeat"].dir / "best.pt"))
     # and the weights are trained ones, not the seeded initial weights saved unchanged
-    torch.manual_seed(0)
-    initial = torchvision.models.resnet18(num_classes=3).state_dict()
-    assert max((trained[key] - initial[key]).abs().max().item() for key in initial
-               if initial[key].is_floating_point()) > 1e-3
+    assert max((trained[key] - initial_weights[key]).abs().max().item() for key in initial_weights
+               if initial_weights[key].is_floating_point()) > 1e-3
 
 
 @pytest.mark.quick
@@ -175,25 +173,25 @@ def counted_here(state, val):
     return counts
 
 
-@pytest.fixture(scope="module")
-def short_runs(baseline, tiny_data, tmp_path_factory):
-    """The runs of three tests below, two at a time (conftest.outcomes), one thread each: --test-only of the initial
-    weights, --test-only of the baseline's best.pt (with the baseline's files as they were before it), and one epoch
-    from --weights with --freeze. {name: conftest.Outcome}."""
-    out = tmp_path_factory.mktemp("short_runs")
+@ahead_fixture
+def short_runs(out, single_runs, tiny_data, hub_cache, initial_weights):
+    """The runs of three tests below, two at a time (conftest.outcomes), one thread each, made ahead (conftest.Ahead):
+    --test-only of the initial weights, --test-only of the baseline's best.pt (with the baseline's files as they were
+    before it), and one epoch from --weights with --freeze. {name: conftest.Outcome}."""
+    baseline = single_runs["baseline"]
+    check_ok(baseline.proc)
     before = snapshot(baseline.dir)
 
     def test_only(checkpoint, name):
         return run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
                           "--resume", checkpoint, "--output-dir", out / name, env=one_thread())
     checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
-    torch.manual_seed(0)
-    checkpoint["model"] = utils.torchvision_model("resnet18", 3).state_dict()  # the weights training started from
+    checkpoint["model"] = initial_weights  # the weights training started from
     torch.save(checkpoint, out / "untrained.pt")
-    return {"dir": out, "initial": checkpoint["model"], "before": before, **outcomes(
+    return {"dir": out, "initial": initial_weights, "before": before, **outcomes(
         untrained=lambda: test_only(out / "untrained.pt", "untrained"),
         best=lambda: test_only(baseline.dir / "best.pt", "best"),
-        weights=lambda: weights_then_freeze(tiny_data, out / "weights"))}
+        weights=lambda: weights_then_freeze(tiny_data, out / "weights", hub_cache, initial_weights))}
 
 
 def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, tiny_data):
@@ -560,10 +558,11 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(short_runs):
     short_runs["weights"].get()
 
 
-def weights_then_freeze(tiny_data, tmp_path):
+def weights_then_freeze(tiny_data, tmp_path, hub_cache, initial):
+    """From a seeded 1000-class resnet18 state dict in a file of its own (conftest.hub_cache's); the new head starts
+    as the scripts' initial weights' (initial)."""
     tmp_path.mkdir()
-    torch.manual_seed(123)
-    pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()
+    pretrained = hub_cache[1]
     torch.save(pretrained, tmp_path / "resnet18.pth")
     proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
                       "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run",
@@ -573,7 +572,5 @@ def weights_then_freeze(tiny_data, tmp_path):
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}
     assert_same_weights({k: trained[k] for k in backbone}, backbone)
     assert trained["fc.weight"].shape == (3, 512)
-    torch.manual_seed(0)  # the script's seed: the new head starts as this model's
-    initial = utils.torchvision_model("resnet18", 3).state_dict()
     for key in ("fc.weight", "fc.bias"):
         assert (trained[key] - initial[key]).abs().max() > 1e-3, f"{key} did not train"
