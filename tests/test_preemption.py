@@ -184,15 +184,30 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(preempt
         preemption_jobs[f"diverging_{mode}"].get()
 
 
-@pytest.mark.parametrize("mode", ["single", "dp", "launch"])
-def test_ctrl_c_in_a_terminal_stops_with_one_line(tiny_data, tmp_path, mode):
+TERMINAL_MODES = ["single", "dp", "launch"]
+
+
+@ahead_fixture
+def ctrl_c_in_a_terminal(out, tiny_data):
+    """The next test's runs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): {mode: Outcome}."""
+    return outcomes(**{mode: lambda mode=mode: ctrl_c_in_terminal(mode, tiny_data, out / mode)
+                       for mode in TERMINAL_MODES})
+
+
+@pytest.mark.parametrize("mode", TERMINAL_MODES)
+def test_ctrl_c_in_a_terminal_stops_with_one_line(ctrl_c_in_a_terminal, mode):
     """The rungs without a stop vote: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal sends SIGINT
     to its foreground process group, loader workers included; `kill -INT` on a background job would interrupt
     nothing) ends the run with the script's one line, exit 130, no traceback, and no process left."""
+    ctrl_c_in_a_terminal[mode].get()
+
+
+def ctrl_c_in_terminal(mode, tiny_data, folder):
+    folder.mkdir()
     token = uuid.uuid4().hex
     env = job_env(TEST_JOB=token, TERM="dumb")
     args = ["bash", "run.sh", mode, *([2] if mode == "launch" else []), *DEFAULTS, "--data-path", tiny_data,
-            "--output-dir", tmp_path / "run"]
+            "--output-dir", folder / "run"]
     pid, terminal = pty.fork()
     if pid == 0:  # the child: bash run.sh in the terminal, as a user types it
         try:
