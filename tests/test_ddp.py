@@ -198,7 +198,8 @@ CLIP = 1e-3
 def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs, initial_weights):
     """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
-    clip, proc, initial = CLIP, ddp_side_jobs["clipped"].get(), initial_weights  # the head starts as initial's
+    clip, proc = CLIP, ddp_side_jobs["clipped"].get()
+    initial = initial_weights  # where the head starts
     moved = {}
     for name, folder in (("clipped", ddp_side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
         state = load_model_state(folder / "last.pt")

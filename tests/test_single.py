@@ -188,22 +188,20 @@ def short_runs(out, single_runs, tiny_data, hub_cache, initial_weights):
     checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
     checkpoint["model"] = initial_weights  # the weights training started from
     torch.save(checkpoint, out / "untrained.pt")
-    return {"dir": out, "initial": initial_weights, "before": before, **outcomes(
+    return {"dir": out, "before": before, **outcomes(
         untrained=lambda: test_only(out / "untrained.pt", "untrained"),
         best=lambda: test_only(baseline.dir / "best.pt", "best"),
         weights=lambda: weights_then_freeze(tiny_data, out / "weights", hub_cache, initial_weights))}
 
 
-def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, tiny_data):
+def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, initial_weights, tiny_data):
     """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
     evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
     far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
     _, _, val = utils.find_images(tiny_data, 0.25)
     check_ok(short_runs["untrained"].get())
-    checkpoint = {"model": short_runs["initial"]}
-    tmp_path = short_runs["dir"] / "untrained"
     for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
-                                  (tmp_path / "results.json", checkpoint["model"])):
+                                  (short_runs["dir"] / "untrained" / "results.json", initial_weights)):
         results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
         assert counts.sum(dim=1).tolist() == [6, 5, 6]
         assert results["confusion"] == counts.tolist(), (results_json, results["confusion"], counts)
