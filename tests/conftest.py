@@ -99,8 +99,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """tests/test_bench.py first: its one job runs one process at a time, and so leaves a core to the first runs made
-    ahead (conftest.Ahead: test_adapting.py's, two at a time), which the first test would otherwise wait for alone."""
-    items.sort(key=lambda item: item.module.__name__ != "test_bench")  # (a stable sort: the rest keep their order)
+    ahead (conftest.Ahead: test_adapting.py's, two at a time), which the first test would otherwise wait for alone.
+    The tests marked alone last: there no run made ahead is left to hold back (in the middle they stopped the
+    background runs for half a minute, and the tests after them then waited for runs made one at a time)."""
+    items.sort(key=lambda item: (item.module.__name__ != "test_bench", item.get_closest_marker("alone") is not None))
 
 
 def make_dataset(root, counts, size=32, ext=".jpg"):
