@@ -56,8 +56,9 @@ case "$mode" in
   doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) exec "$PYTHON" tools/gpucheck.py "$@" ;;
   test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed.
+    # A passed test's folder goes when it ends (a full run writes ~9 GB of checkpoints; pytest keeps the last 3 runs')
     if [ "${1:-}" = quick ]; then shift; set -- -m quick "$@"; fi
-    exec "$PYTHON" -m pytest -q --durations=15 tests "$@" ;;
+    exec "$PYTHON" -m pytest -q --durations=15 -o tmp_path_retention_policy=failed tests "$@" ;;
 esac
 
 # Multi-process modes: N, the GPU check and the threads per process.
