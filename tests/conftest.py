@@ -102,6 +102,7 @@ def pytest_collection_modifyitems(items):
     ahead (conftest.Ahead: test_adapting.py's, two at a time), which the first test would otherwise wait for alone.
     The tests marked alone last: there no run made ahead is left to hold back (in the middle they stopped the
     background runs for half a minute, and the tests after them then waited for runs made one at a time)."""
+    # (a stable sort: the rest keep their order)
     items.sort(key=lambda item: (item.module.__name__ != "test_bench", item.get_closest_marker("alone") is not None))
 
 
