@@ -50,6 +50,7 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
+    utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
@@ -90,7 +91,6 @@ def main(args):
         model.module.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
@@ -99,8 +99,8 @@ def main(args):
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
+    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
-        output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
               f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
@@ -115,7 +115,7 @@ def main(args):
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "epoch": epoch,
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
@@ -131,6 +131,7 @@ def main(args):
         log.start_epoch(epoch, start_step)
         samples = start_samples
         for step, (images, labels) in enumerate(log.timed(train_loader), start=start_step):
+            utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)

@@ -56,6 +56,7 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
+    utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
@@ -103,7 +104,6 @@ def main(args):
         model.module.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
@@ -112,8 +112,8 @@ def main(args):
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
+    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
-        output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
               f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
@@ -129,13 +129,13 @@ def main(args):
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "epoch": epoch,
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
-    stop = utils.StopOnSignal(device, every=min(args.print_freq, 10))
+    stop = utils.StopOnSignal()
 
     def stop_here(epoch, samples):
         if rank == 0:
@@ -159,6 +159,9 @@ def main(args):
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
+            if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
+                stop_here(epoch, samples)
+            utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             # Accumulate: all-reduce only on the last micro-step; no_sync() keeps the other gradients local.
@@ -177,8 +180,6 @@ def main(args):
             profiler.step()
             if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, samples)
-            if stop.agreed(step, steps_per_epoch):  # a vote every 10 steps and after the epoch's last
-                stop_here(epoch, samples)
         start_step, start_samples = 0, 0
 
         val_loss, val_acc, val_count, confusion = evaluate(model.module, val_loader, device, len(classes), stop)

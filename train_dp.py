@@ -37,6 +37,7 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
+    utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
@@ -77,14 +78,13 @@ def main(args):
         model_without_dp.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
-    output_dir.mkdir(parents=True, exist_ok=True)
+    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
           f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
@@ -98,7 +98,7 @@ def main(args):
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model_without_dp.state_dict(), "optimizer": optimizer.state_dict(),
-                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "epoch": epoch,
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
@@ -114,6 +114,7 @@ def main(args):
         log.start_epoch(epoch, start_step)
         samples = start_samples
         for step, (images, labels) in enumerate(log.timed(train_loader), start=start_step):
+            utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)

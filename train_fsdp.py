@@ -62,6 +62,7 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
+    utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
@@ -133,9 +134,9 @@ def main(args):
             raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
         else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            dcp.load(state, checkpoint_id=resume.parent / sharded)
+            reader = utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
+            dcp.load(state, storage_reader=reader, planner=reader.planner)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            torch.set_rng_state(checkpoint["rng"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
@@ -144,8 +145,8 @@ def main(args):
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
+    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
-        output_dir.mkdir(parents=True, exist_ok=True)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
               f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
@@ -170,7 +171,7 @@ def main(args):
         if rank > 0:
             return
         utils.save_checkpoint({"model": full, "optimizer": folder[0].name,
-                               "rng": torch.get_rng_state(), "epoch": epoch,
+                               "epoch": epoch,
                                "samples": samples, "global_batch": global_batch, "best_acc": best_acc, "run_id": run_id,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
         for old in set(output_dir.glob("last-*.dcp")) - {folder[0]}:  # last.pt names the new one
@@ -178,7 +179,7 @@ def main(args):
 
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
-    stop = utils.StopOnSignal(device, every=min(args.print_freq, 10))
+    stop = utils.StopOnSignal()
 
     def stop_here(epoch, samples):
         save(epoch, samples)  # every rank: each writes its shards
@@ -202,6 +203,9 @@ def main(args):
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
+            if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
+                stop_here(epoch, samples)
+            utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
             images = utils.normalize(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             # Accumulate: reduce-scatter only on the last micro-step; before it, each rank sums its full gradients.
@@ -223,8 +227,6 @@ def main(args):
             profiler.step()
             if args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
                 save(epoch, samples)
-            if stop.agreed(step, steps_per_epoch):  # a vote every 10 steps and after the epoch's last
-                stop_here(epoch, samples)
         start_step, start_samples = 0, 0
 
         val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes), stop)

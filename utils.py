@@ -4,11 +4,14 @@ checkpoints, how a run ends, logging. The section "multi-process rungs only" ser
 import argparse
 import contextlib
 import datetime
+import errno
 import gc
+import io
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import resource
@@ -16,13 +19,17 @@ import shutil
 import signal
 import socket
 import sys
+import textwrap
 import time
 import traceback
 import urllib.parse
+import weakref
+import zipfile
 from pathlib import Path
 
 import numpy
 import torch
+import torch.distributed.checkpoint as dcp
 
 collecting = gc.isenabled()
 gc.disable()  # torchvision's import makes ~150,000 objects that live on: collecting among them costs ~0.3 s a process
@@ -91,15 +98,18 @@ def get_args_parser(description):
 
 def check_args(args):
     """Validate the shared arguments and fill in the defaults that depend on the data and the machine."""
-    for name in ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout"):
-        if (value := getattr(args, name, None)) is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
+    for name in (*positive, "workers", "save_every", "profile", "seed", "clip_grad", "hsdp"):  # every rung's numbers
+        value = getattr(args, name, None)  # None: a flag this rung does not have, or a default filled in below
+        if value is not None and not (math.isfinite(value) and (value > 0 if name in positive else value >= 0)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '0 or more'}, "
+                             f"got {value}")
+    if args.seed >= 2**62:  # torch's generators take 64 bits, and the shuffle's seed is seed + epoch
+        raise UsageError(f"--seed must be below 2**62, got {args.seed}")
     if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
         gpus = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         args.workers = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1) if gpus else 1
-    if min(args.workers, args.save_every, args.profile) < 0:
-        raise UsageError("--workers, --save-every and --profile must be 0 or more")
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     if args.test_only and not args.resume:
@@ -153,6 +163,40 @@ def resolve_run(args, script):
         raise UsageError(f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
                          f"--resume auto, or choose a new --output-dir")
     return output_dir, resume
+
+
+_RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock file (global rank 0)
+
+
+def claim_output_dir(output_dir):
+    """Create the run folder and hold it for this job until it ends: a second job started into the same folder (by
+    mistake, or a --resume auto while the first still runs) ends here with one line instead of mixing its
+    checkpoints and logs with the first's. Global rank 0 holds a POSIX lock on OUTPUT_DIR/.lock, which the kernel
+    releases when the process ends however it ends (also on NFS): a dead job's folder is free again at once."""
+    import fcntl
+    import torch.distributed as dist
+    error, _RUN_DIR["folder"] = None, output_dir
+    if int(os.environ.get("RANK", 0)) == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / ".lock", "a+")
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as failure:
+            if failure.errno in (errno.EACCES, errno.EAGAIN):  # else a filesystem without locks: go on
+                lock.seek(0)
+                error = (f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): "
+                         f"let it end (or stop it) before you resume it, or choose another --output-dir")
+        else:
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            lock.flush()
+            _RUN_DIR["lock"] = lock
+    if dist.is_available() and dist.is_initialized():  # every rank ends alike: one line, from local rank 0
+        error = [error]
+        dist.broadcast_object_list(error, src=0)
+        error = error[0]
+    if error:
+        raise UsageError(error)
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -299,18 +343,55 @@ def jpeg_size(data):
         i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
 
 
-_STATISTICS = {}  # device -> (mean, std): built once, since a tensor built from a list on a GPU waits for the copy
+_STATISTICS = {}  # (device, channels) -> (mean, std): built once (a tensor built from a list on a GPU waits)
 
 
 def normalize(images):
-    """A batch on the training device: uint8 images (ImageFiles') normalised with the ImageNet statistics; anything
-    else (a dataset that normalises its own images) as it is."""
+    """A batch on the training device. uint8 images (0-255) are normalised with ImageNet's statistics: per channel for
+    3 channels (RGB), their average for any other number (grey: 1 channel); anything else (a dataset that normalises
+    its own images) is used as it is."""
     if images.dtype != torch.uint8:
         return images
-    if images.device not in _STATISTICS:
-        _STATISTICS[images.device] = [torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (MEAN, STD)]
-    mean, std = _STATISTICS[images.device]
+    channels = images.shape[1] if images.dim() == 4 else 1
+    if (key := (images.device, channels)) not in _STATISTICS:
+        _STATISTICS[key] = [torch.tensor(v if channels == 3 else sum(v) / 3, device=images.device).view(-1, 1, 1)
+                            for v in (MEAN, STD)]
+    mean, std = _STATISTICS[key]
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
+
+
+def check_datasets(train_set, val_set, classes):
+    """What build_datasets() returned, checked once before training: a wrong item would otherwise fail later, deep in
+    the loader, its collate or the model, in every process at once."""
+    if len(classes) < 2:
+        raise UsageError(f"build_datasets() returned {len(classes)} class names; a classifier needs at least 2")
+    for name, dataset in (("training", train_set), ("validation", val_set)):
+        if len(dataset) == 0:
+            raise UsageError(f"the {name} set is empty; add data, or check --data-path and --val-fraction")
+        if problem := item_problem(dataset[0], len(classes)):
+            raise UsageError(f"the {name} set's items must be (image tensor, int label) pairs; its first is {problem}")
+
+
+def item_problem(item, num_classes):
+    """What is wrong with a dataset's item, or None."""
+    if isinstance(item, dict):
+        return f"a dict with keys {', '.join(map(repr, item))}: return (item[image key], item[label key])"
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        return f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+    image, label = item
+    if not torch.is_tensor(image):
+        kind = f"{type(image).__module__}.{type(image).__name__}"
+        return (f"({kind}, ...): convert the image in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) or "
+                f"torch.from_numpy()")
+    if image.dtype != torch.uint8 and not image.is_floating_point():
+        return f"({image.dtype} image, ...): give uint8 images (0-255, normalised here) or floating point ones"
+    if (torch.is_tensor(label) or isinstance(label, numpy.ndarray)) and label.ndim == 0:
+        label = label.item()
+    if isinstance(label, numpy.integer):
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
+        return f"(image, {label!r}): a label is an int from 0 to {num_classes - 1}, the index of its class name"
+    return None
 
 
 class SeededItems(Dataset):
@@ -333,6 +414,14 @@ class SeededItems(Dataset):
             return self.dataset[key[1]]
         finally:  # with --workers 0 the training loop draws from it too (dropout): its draws stay its own
             torch.set_rng_state(saved)
+
+
+def seed_step(seed, epoch, step):
+    """Seed torch's generators (CPU and devices) before a training step from (seed, rank, epoch, step): what the model
+    draws in its forward pass (Dropout, stochastic depth) is then a pure function of those, the same in a resumed run
+    as in an uninterrupted one, and each rank's own (separate GPUs would not share masks either)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(hash((seed, rank, epoch, step)) & 0xFFFF_FFFF_FFFF)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -499,9 +588,11 @@ def atomic_write(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-        raise UsageError(f"cannot write {path} ({str(error).splitlines()[0]}); free space or fix the folder's "
-                         f"permissions, then continue with --resume auto (the previous file is intact)") from None
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError, the OSError inside
+        cause = error if isinstance(error, OSError) else error.__context__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else first_line(error)
+        raise UsageError(f"cannot write {path} ({reason}); free space or fix the folder's permissions, then continue "
+                         f"with --resume auto (the previous file is intact)") from None
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink()
@@ -518,8 +609,25 @@ def load_file(path, flag):
         raise UsageError(f"{flag} {path}: no such file")
     try:  # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise UsageError(f"{flag} {path}: not a readable checkpoint ({str(error).splitlines()[0][:120]})") from None
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise UsageError(f"{flag} {path}: not a readable checkpoint ({first_line(error)})") from None
+        raise UsageError(f"{flag} {path}: refused as unsafe: it holds Python objects besides tensors and plain types, "
+                         f"and loading those could run code; give a file written by these scripts, or a plain state "
+                         f"dict") from None
+    except Exception as error:  # a file cut short (a full disk, an interrupted copy), or not a checkpoint at all
+        intact = Path(path).with_name("best.pt")
+        intact = (f"; {intact} is intact: continue from it with --resume {intact}, or start from its weights with "
+                  f"--weights {intact}" if flag == "--resume" and Path(path).name == "last.pt" and intact.is_file()
+                  and zipfile.is_zipfile(intact) else "")
+        raise UsageError(f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)})"
+                         f"{intact}") from None
+
+
+def first_line(error, width=160):
+    """An exception's first sentence, without a C++ source location, shortened at a word if need be."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
 
 
 def load_checkpoint(path, model_name, classes):
@@ -529,34 +637,98 @@ def load_checkpoint(path, model_name, classes):
     if "samples" not in checkpoint:
         raise UsageError(f"--resume {path}: written by an older version of these scripts, without its position in "
                          f"the data; continue it with that version, or start from its weights with --weights")
-    if checkpoint["args"]["model"] != model_name or checkpoint["classes"] != classes:
-        raise UsageError(f"--resume {path} holds a {checkpoint['args']['model']} for {len(checkpoint['classes'])} "
-                         f"classes, not a {model_name} for these {len(classes)}; pass the matching --model/--data-path")
+    saved = checkpoint["classes"]
+    if checkpoint["args"]["model"] != model_name or saved != classes:
+        missing, extra = (", ".join(map(str, sorted(set(a) - set(b)))) or "none" for a, b in ((saved, classes),
+                                                                                          (classes, saved)))
+        differ = (f"classes only in the checkpoint: {missing}; only here: {extra}" if set(saved) != set(classes) else
+                  "the same classes in another order" if saved != classes else "the same classes")
+        raise UsageError(f"--resume {path} holds a {checkpoint['args']['model']} for {len(saved)} classes, not a "
+                         f"{model_name} for these {len(classes)} ({differ}); pass the matching --model/--data-path")
     return checkpoint
+
+
+def sharded_checkpoint(run_dir, name):
+    """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
+    last.pt: it must be a folder of the same run folder."""
+    folder = Path(run_dir) / str(name)
+    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
+            and folder.resolve().parent == Path(run_dir).resolve()):
+        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
+                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
+    return SafeReader(folder)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """torch's reader of a sharded checkpoint reads its .metadata with pickle.load, and the items that are not tensors
+    (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
+    This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
+    planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
+    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                                       "TensorStorageMetadata", "BytesStorageMetadata",
+                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        try:
+            with open(Path(folder) / ".metadata", "rb") as f:
+                self.metadata = self.Unpickler(f).load()
+            files = [info.relative_path for info in self.metadata.storage_data.values()]
+        except Exception as error:
+            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
+                             f"checkpoint that these scripts wrote") from None
+        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
+            raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
+        self.planner = SafeLoadPlanner()
+
+    def read_metadata(self, *args, rank=None, **kwargs):
+        if rank is not None:  # a rank's own metadata, which these scripts never write
+            raise FileNotFoundError(f"no metadata of rank {rank}")
+        self.metadata.storage_meta = self.metadata.storage_meta or dcp.metadata.StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name in SafeReader.TYPES.get(module, ()) or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
 
 
 # ------------------------------------------------------------------------------------------ how a run ends
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
-TIMED_OUT = re.compile(r"timed out|timeout", re.I)
+TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
+COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation "
+                                  r"timeout")  # gloo's and NCCL's: a RuntimeError
 
 
 @contextlib.contextmanager
 def one_line_errors():
     """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
     the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
-    130. A peer gone, or not answering within --dist-timeout: one line. Anything else: its traceback, exit 1.
-    Whatever the ending, loader workers are ended first: they ignore SIGTERM, and Python's exit would wait for them."""
+    130. A peer gone, a peer that did not answer within --dist-timeout, a full /dev/shm, parameters without a gradient
+    under DDP: one line. Anything else: its traceback, exit 1. Whatever the ending, loader workers are ended first:
+    they ignore SIGTERM, and Python's exit would wait for them if anything still held their loader."""
     status, local_rank_0 = 1, lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0  # read late: srun's is set in main
     try:
         yield
-        return
+        status = 0
     except UsageError as error:
         if local_rank_0() or isinstance(error, BadImageError):
             print(f"error: {error}", file=sys.stderr, flush=True)
-        else:  # give local rank 0 time to print it: the launcher stops every rank once one of them has failed
-            end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(10)
+        else:
+            wait_to_be_stopped()
     except KeyboardInterrupt:
         if local_rank_0():
             print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
@@ -565,19 +737,61 @@ def one_line_errors():
     except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
         status = exit.code
     except BaseException as error:
-        first_line = str(error).strip().splitlines()[0][-100:] if str(error).strip() else repr(error)
-        if PEER_GONE.search(str(error)):  # a consequence: the process that ended first says why
-            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line})",
+        text = str(error).strip()
+        if PEER_GONE.search(text):  # a consequence: the process that ended first says why
+            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line(error)})",
                   file=sys.stderr)
-        elif isinstance(error, getattr(torch.distributed, "DistError", ())) and TIMED_OUT.search(str(error)):
+        elif COLLECTIVE_TIMED_OUT.search(text) or (
+                isinstance(error, getattr(torch.distributed, "DistError", ())) and TIMED_OUT.search(text)):
+            print(f"error: the other processes did not all answer within --dist-timeout ({first_line(error)}): one is "
+                  f"missing or stuck (a process that never started, a hung read, a stuck driver); start every process "
+                  f"(every node), or raise --dist-timeout", file=sys.stderr)  # (by each rank that waited)
+        elif "shared memory" in text:  # a loader worker's batch did not fit: /dev/shm is full
+            print(f"error: {shm_too_small('the loader workers of this node', 'fewer --workers')}", file=sys.stderr)
+        elif line := failure_of_every_rank(error):  # the same on every rank: local rank 0 says it
             if local_rank_0():
-                print(f"error: the other processes did not all answer within --dist-timeout ({first_line}): one is "
-                      f"missing or stuck; start every process (every node), or raise --dist-timeout", file=sys.stderr)
+                print(f"error: {line}", file=sys.stderr)
+            else:
+                wait_to_be_stopped()
         else:
             traceback.print_exc()
     end_loader_workers()
     destroy_process_group()
     sys.exit(status)
+
+
+def failure_of_every_rank(error):
+    """The line for a failure that every rank meets alike, or None."""
+    text = str(error)
+    if "Error(s) in loading state_dict" in text:  # a checkpoint of another model
+        return (f"the checkpoint's weights do not fit this model ({first_line(error)}); resume with the model that "
+                f"saved it, or start from its weights with --weights")
+    if "unexpected pos" in text and "folder" in _RUN_DIR:  # torch.save's write failed: in dcp.save (FSDP's shards)
+        free = shutil.disk_usage(_RUN_DIR["folder"]).free
+        return (f"cannot write the sharded checkpoint into {_RUN_DIR['folder']} ({free >> 20} MiB left on its disk): "
+                f"free space, then continue with --resume auto (last.pt and the shards it names are intact)")
+    if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
+        return ("--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
+                "them could run code: refused; resume from a folder that these scripts wrote")
+    if "Expected more than 1 value per channel when training" in text:  # BatchNorm over a batch of one value
+        size = re.search(r"got input size [^\n]*", text)
+        return (f"a BatchNorm layer saw one value per channel in training ({size[0] if size else text[:80]}): raise "
+                f"--batch-size (images per process) or --img-size")
+    if "Expected to have finished reduction in the prior iteration" in text:  # DDP: a parameter without a gradient
+        unused = re.search(r"did not receive grad for rank \d+: ([^\n]+)", text)  # their indices, or names
+        which = f" ({unused[1].strip()})" if unused else ""
+        return (f"some parameters got no gradient in the last step{which}: the model holds a module that forward() "
+                f"does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line "
+                f"(docs/troubleshooting.md)")
+    return None
+
+
+def wait_to_be_stopped():
+    """A rank that leaves the error line to local rank 0 gives it time to print it: the launcher stops every rank
+    once one of them has failed."""
+    end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(10)
 
 
 def end_loader_workers():
@@ -622,6 +836,9 @@ def require_launcher(script):
         launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
         raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
                          f"[N], or {launcher} --nproc-per-node=N {name}")
+    if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
+        import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process
 
 
 def resume_if_restarted(args, script):
@@ -706,23 +923,24 @@ class StopOnSignal:
     Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
     to every worker, SLURM and terminals reach every process of the job themselves."""
 
-    def __init__(self, device, every):
-        self.device, self.every, self.seen, self.signum = device, every, [], 0
+    def __init__(self):
+        import torch.distributed as dist
+        self.seen, self.signum = [], 0
+        # The vote is an all-reduce of a CPU tensor (gloo): reading a GPU's would wait for all the work queued on it
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda signum, frame: self.seen.append(signum))
 
     def __bool__(self):  # a signal reached this rank
         return bool(self.seen)
 
-    def agreed(self, step=None, steps_per_epoch=None):
-        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points. Given a
-        step, it votes only every `every` steps and after the epoch's last: reading the vote waits for the device,
-        which would drain a GPU's queue of work every step."""
-        if step is not None and (step + 1) % self.every and step + 1 != steps_per_epoch:
-            return 0
-        seen = torch.full((1,), self.seen[-1] if self.seen else 0, device=self.device)
-        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-        self.signum = int(seen.item())
+    def agreed(self):
+        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: after
+        every step, so a job stops one step after the signal, however long a step takes."""
+        seen = torch.tensor([self.seen[-1] if self.seen else 0])
+        with torch.profiler.record_function("stop vote"):  # (--profile's report counts it apart from the training's)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        self.signum = int(seen.numpy()[0])  # (a CPU tensor: no device to wait for)
         return self.signum
 
     def exit(self, step, output_dir):
@@ -740,23 +958,38 @@ def ignore_stop_signals(worker_id):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
 
 
+_SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its prefetch factor, its batches in /dev/shm)
+
+
 def start_workers(loader):
     """iter(loader), with the stop signals held back while it forks the workers (before ignore_stop_signals() has
-    run, a signal would end a worker). A held signal arrives right after. A too small /dev/shm (a pod's) is refused."""
+    run, a signal would end a worker). A held signal arrives right after. A /dev/shm too small for the batches that
+    every loader's workers hold there (a pod's 64 MB) is refused in one line."""
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
         batch = getattr(loader.dataset[key][0], "nbytes", 0) * loader.batch_size  # (a tensor's; else no check)
-        batch *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # every process of the node shares /dev/shm
-        held = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1  # measured: prefetched, and 1 more
-        if batch * held > (shm := shutil.disk_usage("/dev/shm").total):
-            fits = max(0, (shm // batch - 1) // loader.prefetch_factor)
-            raise UsageError(f"/dev/shm holds {shm >> 20} MiB, too little for the batches of {loader.num_workers} "
-                             f"loader workers per process: mount a memory-backed volume there (Kubernetes: an emptyDir "
-                             f"with medium: Memory, see examples/; docker run --shm-size=8g), or use --workers {fits}")
+        # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
+        _SHM_BYTES[loader] = batch, loader.prefetch_factor, min(loader.num_workers * loader.prefetch_factor,
+                                                                 len(loader)) + 1
+        processes, held = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), list(_SHM_BYTES.values())  # a node shares it
+        if processes * sum(batch * count for batch, _, count in held) > shm_size():
+            one, prefetched = sum(batch for batch, _, _ in held), sum(batch * factor for batch, factor, _ in held)
+            fits = max(0, (shm_size() // processes - one) // prefetched)  # workers per process that would fit
+            raise UsageError(shm_too_small(f"the batches of {loader.num_workers} loader workers per process",
+                                           f"--workers {fits}"))
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def shm_size():
+    return shutil.disk_usage("/dev/shm").total
+
+
+def shm_too_small(what, fewer):
+    return (f"/dev/shm holds {shm_size() >> 20} MiB, too little for {what}: mount a memory-backed volume there "
+            f"(Kubernetes: an emptyDir with medium: Memory, see examples/; docker run --shm-size=8g), or use {fewer}")
 
 
 def shard_bytes(model, optimizer):

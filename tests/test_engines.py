@@ -185,19 +185,20 @@ def small_shm():
 
 
 def test_a_64_mb_dev_shm_too_small_for_the_loader_workers_is_refused_in_one_line(small_shm, tiny_data, tmp_path):
-    """Four workers per process, each holding 2 batches of 4 720-pixel images, would need about 87 MB of /dev/shm:
-    without this check the job failed at its first batches with a traceback of 100 lines (`unable to allocate
-    shared memory`); now one line says what to mount, and the --workers that fits, before any worker starts. (The
-    defaults fit: the engine tests above.)"""
+    """Two workers per process, batches of 4 720-pixel images: the training loader's workers hold 5 batches in
+    /dev/shm (62 MB for the 2 processes, which fit), the validation loader's persistent workers 4 more all along
+    (112 MB in all, which do not). Counting the training loader alone, the check let the job start, and it failed at
+    its first batches with tracebacks of 100 lines (`unable to allocate shared memory`); now one line says what to
+    mount, and the --workers that fits, before any batch is read. (The defaults fit: the engine tests above.)"""
     started = time.time()
-    big = run_job(in_small_shm(["bash", "run.sh", "ddp", 2, "--data-path", tiny_data, "--epochs", "1", "-j", "4",
-                                "-b", "4", "--img-size", "720", "--output-dir", tmp_path / "big"]),
-                  env=job_env(), timeout=240)
+    big = run_job(in_small_shm(["bash", "run.sh", "ddp", 2, "--data-path", tiny_data, "--epochs", "1", "-j", "2",
+                                "-b", "4", "--img-size", "720", "--val-fraction", "0.25", "--output-dir",
+                                tmp_path / "big"]), env=job_env(), timeout=240)
     errors = [line for line in big.stderr.splitlines() if line.startswith("error:")]
     assert big.returncode == 1 and errors == [
-        "error: /dev/shm holds 64 MiB, too little for the batches of 4 loader workers per process: mount a "
+        "error: /dev/shm holds 64 MiB, too little for the batches of 2 loader workers per process: mount a "
         "memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
-        "--shm-size=8g), or use --workers 2"], big.stderr[-3000:]
+        "--shm-size=8g), or use --workers 0"], big.stderr[-3000:]
     assert "Traceback" not in big.stderr and "  step " not in big.stdout, big.stderr[-3000:]
     assert time.time() - started < 90
     assert not (tmp_path / "big" / "last.pt").exists()

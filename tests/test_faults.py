@@ -1,6 +1,12 @@
 """What goes wrong on real clusters, as bounded scenarios with real processes: a full disk mid-run, a node that
-never arrives, a peer that never comes, a taken port, and --profile."""
+never arrives, a peer that never comes, a rank that freezes, a taken port, a crafted or truncated checkpoint, and
+--profile."""
+import contextlib
 import json
+import os
+import pickle
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -9,7 +15,8 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, REPO, assert_job_gone, cpu_env, finish, free_port, outcomes, popen, run_job
+from conftest import (DEFAULTS, FAST, REPO, assert_job_gone, cpu_env, finish, free_port, job_env, outcomes, popen,
+                      ranks, read_until, run_job, run_sh, start)
 
 
 def env_1_thread(**extra):
@@ -17,19 +24,22 @@ def env_1_thread(**extra):
 
 
 @pytest.fixture(scope="module")
-def jobs(tiny_data, tmp_path_factory):
-    """Three of this module's jobs side by side, each with its own checks: the profiled run, and two that mostly wait
-    (for RDZV_TIMEOUT, for --dist-timeout). {name: conftest.Outcome}; each test gets its own."""
+def jobs(tiny_data, fsdp_references, tmp_path_factory):
+    """This module's jobs side by side, each with its own checks: three that mostly wait (for RDZV_TIMEOUT, for
+    --dist-timeout twice) beside the others. {name: conftest.Outcome}; each test gets its own."""
     out = tmp_path_factory.mktemp("faults")
-    return outcomes(at_once=3, profile=lambda: profile(tiny_data, out / "profile"), never_arrives=never_arrives,
-                    dist_timeout=lambda: dist_timeout(tiny_data, out / "dist_timeout"))
+    return outcomes(at_once=3, frozen=lambda: frozen_rank(tiny_data, out / "frozen"), never_arrives=never_arrives,
+                    dist_timeout=lambda: dist_timeout(tiny_data, out / "dist_timeout"),
+                    profile=lambda: profile(tiny_data, out / "profile"),
+                    crafted=lambda: crafted_shards(tiny_data, out / "crafted"),
+                    truncated=lambda: truncated_last_pt(fsdp_references["bn"], tiny_data, out / "truncated"))
 
 
 def test_profile_writes_a_trace_and_counts_the_syncs_per_step(jobs):
     """torchrun rung, 2 processes x batch 1 (25 steps an epoch), the default --print-freq 10, steps 4-13 profiled: the
-    host reads a device value only at step 10, for the progress line's loss and the ranks' stop vote. Reading the
-    vote after every step, as before, made it 1.1 per step (and drained a GPU's queue each step). The count comes from
-    tools/profile_report.py, reading the trace the script wrote."""
+    host reads a device value only at step 10, for the progress line's loss. The ranks' stop vote, before every step,
+    is an all-reduce of a CPU tensor (on a GPU too): no device to wait for, and counted apart from the training's
+    collectives. The count comes from tools/profile_report.py, reading the trace the script wrote."""
     jobs["profile"].get()
 
 
@@ -48,20 +58,28 @@ def profile(tiny_data, tmp_path):
                             text=True, timeout=60)
     assert report.returncode == 0 and report.stdout.startswith("profile: 10 steps: waiting for data "), report
     assert "% (may overlap compute" in report.stdout, report.stdout
-    assert ", 0.20 host reads of device values (syncs) per step, 0.00 CUDA runtime syncs per step; " \
+    assert ", 0.10 host reads of device values (syncs) per step, 0.00 CUDA runtime syncs per step; " \
         "collectives per step: " in report.stdout, report.stdout  # (on a CPU: no CUDA runtime)
+    assert report.stdout.rstrip().endswith(" (and 1 stop vote, on the CPU)"), report.stdout
+
+
+@contextlib.contextmanager
+def tmpfs(folder, size):
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 70 MiB tmpfs: room for one resnet18 checkpoint (~45 MiB), not for its replacement beside it."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(folder)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "70m") as folder:
+        yield folder
 
 
 def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data, small_disk):
@@ -129,3 +147,95 @@ def test_a_taken_master_port_is_refused_with_its_number():
                        env=env_1_thread(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
     assert proc.returncode == 2
     assert f"MASTER_PORT {port} is already in use" in proc.stderr
+
+
+def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(jobs):
+    """Rank 1 stopped (SIGSTOP: a hung NFS read, a stuck driver) with --dist-timeout 10: rank 0's all-reduce times out
+    (gloo's RuntimeError, not a DistError) and says so in one line; the launcher then ends the frozen rank after
+    its grace period (30 s), and its report stays in run.sh's log."""
+    jobs["frozen"].get()
+
+
+def frozen_rank(tiny_data, folder):
+    job, lines, frozen = start("ddp", 2, *DEFAULTS, "-b", "2", "--data-path", tiny_data, "--dist-timeout", 10,
+                               "--output-dir", folder / "run"), [], None
+    if read_until(job, lines, "epoch 1/2  step 2/12"):
+        os.kill(ranks(job)[1], signal.SIGSTOP)
+        frozen = time.time()
+    output = finish(job, lines, timeout=120)
+    assert frozen, output[-3000:]
+    took = time.time() - frozen
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert job.returncode == 1 and len(errors) == 1, output[-3000:]
+    assert "did not all answer within --dist-timeout (Timed out waiting 10000ms for" in errors[0], errors
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+    assert 10 <= took < 10 + 30 + 20, took  # the timeout, the launcher's grace period, a loaded machine
+    assert_job_gone(job.token)
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(jobs):
+    """A run folder whose last.pt is harmless (it loads with weights_only) but names a shard folder whose .metadata
+    is a pickle that runs code (torch's reader uses pickle.load): bash run.sh fsdp 2 --resume auto refuses it in one
+    line, and the code never runs."""
+    jobs["crafted"].get()
+
+
+def crafted_shards(tiny_data, folder):
+    run, marker = folder / "run", folder / "code-ran"
+    (run / "last-step1-1.dcp").mkdir(parents=True)
+    (run / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    torch.save({"model": {}, "optimizer": "last-step1-1.dcp", "args": {"model": "resnet18"}, "classes": ["c0", "c1", "c2"],
+                "epoch": 0, "samples": 16, "global_batch": 16, "best_acc": -1.0}, run / "last.pt")
+    proc = run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", run, "--resume", "auto")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in errors[0], errors
+    assert "Traceback" not in proc.stderr and not marker.exists()
+
+
+def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_intact_best_pt(jobs):
+    jobs["truncated"].get()
+
+
+def truncated_last_pt(fsdp_run, tiny_data, folder):
+    """An FSDP run's folder (bash run.sh fsdp 2, finished), its last.pt cut to half as a copy cut short leaves it:
+    --resume auto by the FSDP rung and by the torchrun rung (which needs no shards) each end in one line."""
+    for mode in ("fsdp", "ddp"):
+        shutil.copytree(fsdp_run, folder / mode)
+        last = folder / mode / "last.pt"
+        last.write_bytes(last.read_bytes()[:last.stat().st_size // 2])
+        proc = run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / mode, "--resume", "auto")
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1, (mode, proc.stderr[-3000:])
+        assert errors[0] == (f"error: --resume {last}: not a readable checkpoint, perhaps cut short (PytorchStreamReader "
+                             f"failed reading zip archive: failed finding central directory); {last.with_name('best.pt')} "
+                             f"is intact: continue from it with --resume {last.with_name('best.pt')}, or start from its "
+                             f"weights with --weights {last.with_name('best.pt')}"), errors
+
+
+def test_a_full_disk_while_fsdp_writes_its_shards_is_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
+    """100 MiB: room for the first save (shards of about 45 MiB, last.pt of as much), not for the second's shards:
+    dcp.save fails on every rank with torch's "unexpected pos", which says nothing of the disk."""
+    with tmpfs(tmp_path / "disk", "100m") as small_disk:
+        started = time.time()
+        proc = run_sh("fsdp", 2, *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25", "--save-every",
+                      "1", "--output-dir", small_disk / "run", env=job_env())
+        check_full_disk(proc, small_disk, started)
+
+
+def check_full_disk(proc, small_disk, started):
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"cannot write the sharded checkpoint into {small_disk / 'run'} (0 MiB left on its disk)" in errors[0]
+    assert "Traceback" not in proc.stderr and time.time() - started < 60
+    checkpoint = torch.load(small_disk / "run" / "last.pt", weights_only=True)  # the first one, and its shards
+    assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 16)
+    assert (small_disk / "run" / checkpoint["optimizer"] / ".metadata").is_file()

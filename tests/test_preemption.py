@@ -21,8 +21,10 @@ from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_j
 
 def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
     """bash run.sh MODE 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
-    turn (conftest.deliver): the first to the new job, each next one to the job that resumed the last stop (with
-    --resume auto), after its own first step. A last --resume auto must end with the reference's weights."""
+    turn (conftest.deliver; "launcher killed": SIGKILL of the torchrun agent, whose ranks then get SIGTERM from the
+    kernel): the first to the new job, each next one to the job that resumed the last stop (with --resume auto),
+    after its own first step. While the first job runs (paused), a second one started into its folder with --resume
+    auto ends at once in one line. A last --resume auto must end with the reference's weights."""
     args = [mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
             folder / "run"]
     stopped_after = 0
@@ -31,39 +33,64 @@ def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
         job, lines, pids = start(*args, *resume), [], []
         if read_until(job, lines, "  step "):  # its first progress line
             pids = descendants(job.pid)
-            deliver(job, how, signum)
+            if not stopped_after:
+                second_job_into_the_same_folder(job, args, folder / "run")
+            if how == "launcher killed":
+                deliver(job, "agent", signal.SIGKILL)
+            else:
+                deliver(job, how, signum)
         output = finish(job, lines, timeout=60)
         assert len(pids) >= 6, (how, [command(p) for p in pids])  # agent, 2 ranks, their loader workers
-        name = signal.Signals(signum).name
-        assert job.returncode == 128 + signum, (how, output[-3000:])
+        name = signal.Signals(signal.SIGTERM if how == "launcher killed" else signum).name
+        assert job.returncode == (128 + signal.SIGKILL if how == "launcher killed" else 128 + signum), \
+            (how, output[-3000:])
         stops = [line for line in output.splitlines() if line.startswith("stopped by")]
         assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), (how, output[-3000:])
         assert output.rstrip().splitlines()[-1] == stops[0], (how, output[-3000:])  # the log ends with that line
         assert "Traceback" not in output, (how, output[-3000:])
         assert not (folder / "run" / "results.json").exists()
-        assert_gone(pids)
+        assert_gone(pids, within=15)
         if resume:  # it went on from the last stop, and trained at least a step before this one
             assert "resuming from " in output, (how, output[-3000:])
         step = int(stops[0].split("after step ")[1].split(":")[0])
         assert step > stopped_after, (how, stopped_after, output[-3000:])
         stopped_after = step
 
+    assert (folder / "run" / ".lock").exists()  # a dead job's lock file does not hold the folder
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert_resumed_after(resumed.stdout, step=stopped_after)  # not a fresh start that prints "resuming from"
     assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
+def second_job_into_the_same_folder(job, args, run):
+    """The same command with --resume auto while the job runs (paused meanwhile, so that it cannot end first): one
+    line naming the folder, and nothing of the running job's touched."""
+    deliver(job, "every process", signal.SIGSTOP)
+    try:
+        before = {path.name: path.stat().st_mtime_ns for path in run.iterdir()}
+        second = run_sh(*args, "--resume", "auto", timeout=60)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 1 and errors == [second.stderr.splitlines()[0]], second.stderr[-3000:]
+        assert errors[0].startswith(f"error: {run} is in use by another job (pid "), errors
+        assert {path.name: path.stat().st_mtime_ns for path in run.iterdir()} == before
+    finally:
+        deliver(job, "every process", signal.SIGCONT)
+
+
 @ahead_fixture
 def sigterm_twice(out, default_runs, tiny_data):
     """The next test's jobs, made ahead (conftest.Ahead) beside the tests before it."""
-    stop_and_resume("ddp", ("agent", "every process"), signal.SIGTERM, default_runs / "ddp", tiny_data, out)
+    stop_and_resume("ddp", ("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp",
+                    tiny_data, out)
 
 
 @pytest.mark.quick
 def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(sigterm_twice):
     """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group), then to every process
-    of the job that resumed it, loader workers included (SLURM's scancel and preemption; a job preempted twice):
-    each stop after the job's own first step, each saved, and the last resume ends with the uninterrupted weights
+    of the job that resumed it, loader workers included (SLURM's scancel and preemption), then SIGKILL of the next
+    one's agent (the OOM killer, a dying login shell: its ranks must not train on as orphans): each stop after the
+    job's own first step, each saved, no process left within seconds, and the last resume ends with the
+    uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
 
 
@@ -137,6 +164,27 @@ def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_d
     assert pids and job.returncode != 0, output[-3000:]
     assert time.time() - killed < 15, f"the job took {time.time() - killed:.1f} s to end"
     assert_gone(pids)
+
+
+def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_data, tmp_path):
+    """--print-freq 20 and 12 steps an epoch: the ranks used to vote every 10 steps, so a stop could come 10 steps
+    after the signal, past a scheduler's grace period where steps are slow (no checkpoint then). The job is paused
+    (SIGSTOP) once rank 0 has saved a step, signalled, and let go on: it stops within two steps of that save."""
+    job = start("ddp", 2, *DEFAULTS, "-b", "2", "--img-size", "64", "--print-freq", "20", "--save-every", "1",
+                "--data-path", tiny_data, "--output-dir", tmp_path / "run")
+    last, deadline, saved = tmp_path / "run" / "last.pt", time.time() + 90, None
+    while not last.exists() and job.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if last.exists():
+        deliver(job, "every process", signal.SIGSTOP)
+        saved = checkpoint_step(torch.load(last, weights_only=True), 12)
+        deliver(job, "every process", signal.SIGTERM)
+        deliver(job, "every process", signal.SIGCONT)
+    output = finish(job, [], timeout=60)
+    assert saved is not None and saved + 2 < 10, (saved, output[-3000:])
+    stops = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert job.returncode == 143 and len(stops) == 1, output[-3000:]
+    assert saved <= int(stops[0].split("after step ")[1].split(":")[0]) <= saved + 2, (saved, stops)
 
 
 def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(preemption_jobs):

@@ -20,8 +20,13 @@ SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize
 
 def figures(trace):
     steps, step_us, data_us, reads, syncs, busy, collectives = 0, 0.0, 0.0, 0, 0, [], Counter()
+    votes = [(event["tid"], event["ts"], event["ts"] + event["dur"]) for event in trace["traceEvents"]
+             if event.get("cat") == "user_annotation" and event.get("name") == "stop vote"]
     for event in trace["traceEvents"]:
         name, category = event.get("name", ""), event.get("cat")
+        if category == "cpu_op" and any(tid == event["tid"] and start <= event["ts"] <= end
+                                        for tid, start, end in votes):
+            continue  # the ranks' stop vote (utils.StopOnSignal), a CPU all-reduce: counted apart
         if category == "user_annotation" and name.startswith("ProfilerStep#"):
             steps, step_us = steps + 1, step_us + event["dur"]
         elif category == "user_annotation" and name.startswith("enumerate(DataLoader)"):
@@ -41,6 +46,7 @@ def figures(trace):
     step_us, per_step = max(step_us, 1e-9), max(steps, 1)
     return {"steps": steps, "data_wait_share": data_us / step_us, "communication_share": communication_us / step_us,
             "host_reads_per_step": reads / per_step, "cuda_syncs_per_step": syncs / per_step,
+            "stop_votes_per_step": len(votes) / per_step,
             "collectives_per_step": {name: count / per_step for name, count in sorted(collectives.items())}}
 
 
@@ -50,7 +56,8 @@ def summary(trace):
     return (f"profile: {f['steps']} steps: waiting for data {100 * f['data_wait_share']:.1f}% of the step time, "
             f"communication {100 * f['communication_share']:.1f}% (may overlap compute; keep it under ~15%), "
             f"{f['host_reads_per_step']:.2f} host reads of device values (syncs) per step, "
-            f"{f['cuda_syncs_per_step']:.2f} CUDA runtime syncs per step; collectives per step: {collectives}")
+            f"{f['cuda_syncs_per_step']:.2f} CUDA runtime syncs per step; collectives per step: {collectives}"
+            + (f" (and {f['stop_votes_per_step']:g} stop vote, on the CPU)" if f["stop_votes_per_step"] else ""))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,353 @@
+"""utils.py's checks and messages, called in this process: what needs no training process of its own (argument
+checks, a dataset's items, normalisation, checkpoint files, the sharded reader, the run folder's lock, the lines
+that known failures end with). The scripts reach each of these by the same call; the jobs of the other modules show
+that they do."""
+import io
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+import utils
+from conftest import REPO
+
+import torch.distributed.checkpoint as dcp  # noqa: E402  (after utils: the same import it makes)
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def parse(*args):
+    """Every rung's flags, as the scripts add them."""
+    parser = utils.get_args_parser("test")
+    for flag, kind in (("--accum-steps", int), ("--dist-timeout", int), ("--clip-grad", float), ("--hsdp", int)):
+        parser.add_argument(flag, type=kind)
+    return utils.check_args(parser.parse_args(list(args)))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--clip-grad", "-1"], "--clip-grad must be 0 or more, got -1.0"),
+    (["--clip-grad", "inf"], "--clip-grad must be 0 or more, got inf"),
+    (["--seed", "-3"], "--seed must be 0 or more, got -3"),
+    (["--seed", str(2**64)], "--seed must be below 2**62"),
+    (["--hsdp", "-2"], "--hsdp must be 0 or more, got -2"),
+    (["--dist-timeout", "0"], "--dist-timeout must be positive, got 0"),
+    (["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
+    (["--save-every", "-1"], "--save-every must be 0 or more, got -1"),
+    (["--profile", "-1"], "--profile must be 0 or more, got -1"),
+    (["--workers", "-1"], "--workers must be 0 or more, got -1"),
+    (["--print-freq", "0"], "--print-freq must be positive, got 0"),
+    (["--img-size", "-32"], "--img-size must be positive, got -32"),
+])
+def test_every_numeric_flag_is_checked_by_name(args, words):
+    with pytest.raises(utils.UsageError, match=None) as refused:
+        parse(*args)
+    assert words in str(refused.value)
+
+
+def test_sensible_numbers_pass():
+    args = parse("--lr", "0.01", "--clip-grad", "0", "--seed", "7", "--hsdp", "0", "--workers", "0")
+    assert (args.lr, args.clip_grad, args.seed, args.epochs, args.img_size) == (0.01, 0.0, 7, 12, 64)
+
+
+# ---------------------------------------------------------------------------------------- a dataset's items
+class Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return self.item
+
+
+GOOD = (torch.zeros(1, 28, 28, dtype=torch.uint8), 2)
+
+
+@pytest.mark.parametrize("item,words", [
+    ({"image": GOOD[0], "label": 1}, "its first is a dict with keys 'image', 'label': return (item[image key]"),
+    ((Image.new("L", (28, 28)), 1), "its first is (PIL.Image.Image, ...): convert the image in the dataset"),
+    ((numpy.zeros((1, 28, 28), dtype=numpy.uint8), 1), "(numpy.ndarray, ...)"),
+    ((GOOD[0].short(), 1), "(torch.int16 image, ...): give uint8 images"),
+    ((GOOD[0], 3), "(image, 3): a label is an int from 0 to 2"),
+    ((GOOD[0], -1), "(image, -1)"),
+    ((GOOD[0], 1.0), "(image, 1.0)"),
+    ((GOOD[0], torch.tensor([1, 0])), "(image, tensor([1, 0]))"),
+    ((GOOD[0],), "its first is a tuple of 1"),
+    (GOOD[0], "its first is a Tensor"),
+])
+def test_a_wrong_item_is_named_with_the_contract(item, words):
+    with pytest.raises(utils.UsageError) as refused:
+        utils.check_datasets(Items(item), Items(GOOD), ["a", "b", "c"])
+    message = str(refused.value)
+    assert message.startswith("the training set's items must be (image tensor, int label) pairs; ") and words in \
+        message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("label", [2, torch.tensor(2), numpy.int64(2), torch.tensor(2, dtype=torch.uint8)])
+def test_labels_as_ints_tensors_and_numpy_scalars_pass(label):
+    utils.check_datasets(Items((GOOD[0], label)), Items((torch.zeros(3, 8, 8), 0)), ["a", "b", "c"])
+
+
+def test_an_empty_validation_set_and_one_class_are_refused():
+    with pytest.raises(utils.UsageError, match="the validation set is empty"):
+        utils.check_datasets(Items(GOOD), [], ["a", "b", "c"])
+    with pytest.raises(utils.UsageError, match="1 class names; a classifier needs at least 2"):
+        utils.check_datasets(Items(GOOD), Items(GOOD), ["a"])
+
+
+# ------------------------------------------------------------------------------------------ normalisation
+def test_uint8_images_of_any_channel_count_are_normalised_by_the_documented_rule():
+    rgb = torch.full((2, 3, 4, 4), 128, dtype=torch.uint8)
+    expected = (128 / 255 - torch.tensor(utils.MEAN)) / torch.tensor(utils.STD)
+    assert torch.allclose(utils.normalize(rgb)[0, :, 0, 0], expected)
+    grey = torch.full((2, 1, 4, 4), 128, dtype=torch.uint8)  # (an MNIST-like TensorDataset's batch)
+    grey_mean, grey_std = sum(utils.MEAN) / 3, sum(utils.STD) / 3
+    assert torch.allclose(utils.normalize(grey), torch.tensor((128 / 255 - grey_mean) / grey_std))
+    two = torch.full((2, 2, 4, 4), 255, dtype=torch.uint8)
+    assert torch.allclose(utils.normalize(two), torch.tensor((1 - grey_mean) / grey_std))
+    no_channels = torch.zeros(2, 4, 4, dtype=torch.uint8)
+    assert utils.normalize(no_channels).shape == (2, 4, 4)
+    floats = torch.randn(2, 1, 4, 4)
+    assert utils.normalize(floats) is floats  # a dataset's own normalisation, as given
+
+
+def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
+    for images in ([torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8) for _ in range(4)],
+                   [torch.randn(1, 8, 8) for _ in range(4)]):
+        log = utils.Logger(tmp_path, ["a", "b"], 1, 1, 4, 1)
+        log.add_training_images(utils.SeededItems([(image, 0) for image in images], 0), 0)
+        log.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert "train/augmented_images" in events.Tags()["images"]
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def checkpoint_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoint")
+    torch.manual_seed(0)
+    utils.save_checkpoint({"model": torchvision.models.resnet18(num_classes=3).state_dict(), "optimizer": {},
+                           "args": {"model": "resnet18"}, "classes": ["a", "b", "c"], "samples": 0, "epoch": 1},
+                          folder, is_best=True)
+    return folder / "last.pt"
+
+
+def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(checkpoint_file, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(checkpoint_file.with_name("best.pt"), run / "best.pt")
+    data = checkpoint_file.read_bytes()
+    (run / "last.pt").write_bytes(data[:len(data) // 3])
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_checkpoint(run / "last.pt", "resnet18", ["a", "b", "c"])
+    message = str(refused.value)
+    assert "not a readable checkpoint, perhaps cut short (" in message, message
+    best = run / "best.pt"
+    assert message.endswith(f"; {best} is intact: continue from it with --resume {best}, or start from its weights "
+                            f"with --weights {best}"), message
+    assert "(PytorchStreamReader failed reading zip archive: failed finding central directory); " in message  # whole
+    (run / "best.pt").write_bytes(data[:100])  # no intact best.pt: nothing promised
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_checkpoint(run / "last.pt", "resnet18", ["a", "b", "c"])
+    assert "intact" not in str(refused.value)
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_a_pickled_checkpoint_is_refused_as_unsafe_and_runs_nothing(tmp_path):
+    marker = tmp_path / "code-ran"
+    torch.save({"model": {}, "optimizer": RunsCode(marker)}, tmp_path / "last.pt")
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_checkpoint(tmp_path / "last.pt", "resnet18", ["a"])
+    assert "refused as unsafe" in str(refused.value) and not marker.exists(), str(refused.value)
+
+
+def test_a_resume_into_other_classes_names_them(checkpoint_file):
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_checkpoint(checkpoint_file, "resnet18", ["a", "b", "d", "e"])
+    assert "(classes only in the checkpoint: c; only here: d, e)" in str(refused.value), str(refused.value)
+    with pytest.raises(utils.UsageError, match="the same classes in another order"):
+        utils.load_checkpoint(checkpoint_file, "resnet18", ["c", "b", "a"])
+
+
+def test_a_full_disk_says_no_space_left(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(utils.UsageError) as refused:
+            utils.save_checkpoint({"model": {"w": torch.zeros(1_000_000)}}, disk)
+        assert "cannot write" in str(refused.value) and "(No space left on device)" in str(refused.value)
+        assert os.listdir(disk) == []  # no temporary file left
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- FSDP's sharded checkpoints
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A run folder with a sharded checkpoint as train_fsdp.py saves it (one process), and a state to load it into."""
+    def state(lr):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        optimizer.step()
+        return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+    run = tmp_path_factory.mktemp("run")
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state(0.1), checkpoint_id=run / "last-step1-1.dcp")
+    return run, state
+
+
+def load(run, name, state):
+    reader = utils.sharded_checkpoint(run, name)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, storage_reader=reader, planner=reader.planner)
+
+
+def test_the_safe_reader_loads_what_fsdp_saved(sharded):
+    run, state = sharded
+    loaded = state(0.5)
+    load(run, "last-step1-1.dcp", loaded)
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(loaded["model"]["conv1.weight"], state(0.1)["model"]["conv1.weight"])
+
+
+def test_a_crafted_metadata_pickle_runs_no_code(sharded, tmp_path):
+    run, state = sharded
+    shutil.copytree(run / "last-step1-1.dcp", tmp_path / "last-step1-1.dcp")
+    (tmp_path / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "code-ran")))
+    with pytest.raises(utils.UsageError) as refused:
+        utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
+    assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in str(refused.value)
+    assert not (tmp_path / "code-ran").exists()
+
+
+def test_a_crafted_item_runs_no_code(sharded, tmp_path):
+    """The metadata is sound, but an item that is not a tensor (the optimizer's lr here) is a pickle that runs code."""
+    run, state = sharded
+    crafted = state(0.1)
+    crafted["optimizer"]["param_groups"][0]["lr"] = RunsCode(tmp_path / "code-ran")
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(crafted, checkpoint_id=tmp_path / "last-step1-1.dcp")
+    with pytest.raises(BaseException) as refused:  # dcp's CheckpointException, which the rung ends in one line
+        load(tmp_path, "last-step1-1.dcp", state(0.5))
+    assert utils.failure_of_every_rank(refused.value).startswith("--resume: the sharded checkpoint holds Python "
+                                                                 "objects besides tensors")
+    assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/last-step1-1.dcp", "/tmp", "last-step1-1.dcp/..", "linked.dcp",
+                                  "last-link.dcp", "", None, ["a list"]])
+def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
+    run, _ = sharded
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(run / "last-step1-1.dcp", tmp_path / "elsewhere" / "last-step1-1.dcp")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last-link.dcp").symlink_to(tmp_path / "elsewhere" / "last-step1-1.dcp")
+    with pytest.raises(utils.UsageError) as refused:
+        utils.sharded_checkpoint(tmp_path / "run", name)
+    assert "are not a folder beside it" in str(refused.value)
+
+
+# --------------------------------------------------------------------------------------------- the run folder
+def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
+    """A second process that claims the folder while the first holds it is refused, with the holder named; once the
+    holder has ended (here: killed), the folder is free, though its lock file stays."""
+    folder = tmp_path / "run"
+    read, write = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the first job
+        try:
+            utils.claim_output_dir(folder)
+            os.write(write, b"held")
+            signal.pause()
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(read, 4) == b"held"
+        with pytest.raises(utils.UsageError) as refused:
+            utils.claim_output_dir(folder)
+        assert str(refused.value).startswith(f"{folder} is in use by another job (pid {holder} on ")
+        assert "let it end (or stop it) before you resume it, or choose another --output-dir" in str(refused.value)
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    utils.claim_output_dir(folder)  # free again
+    assert (folder / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    utils._RUN_DIR.pop("lock").close()
+
+
+# ------------------------------------------------------------------------------- the lines failures end with
+@pytest.mark.parametrize("error,line", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for "
+                  "recv operation to complete"),
+     "error: the other processes did not all answer within --dist-timeout (Timed out waiting 30000ms for recv "
+     "operation to complete): one is missing or stuck"),
+    (RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                  "RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device"),
+     "error: /dev/shm holds "),
+    (RuntimeError("DataLoader worker (pid 123) is killed by signal: Bus error. It is possible that dataloader's "
+                  "workers are out of shared memory. Please try to raise your shared memory limit."),
+     "error: /dev/shm holds "),
+    (RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. ...\n"
+                  "Parameter indices which did not receive grad for rank 0: 62 63\n In addition, ..."),
+     "error: some parameters got no gradient in the last step (62 63): the model holds a module that forward() "
+     "does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line"),
+    (ValueError("Expected more than 1 value per channel when training, got input size torch.Size([1, 512, 1, 1])"),
+     "error: a BatchNorm layer saw one value per channel in training (got input size torch.Size([1, 512, 1, 1])): "
+     "raise --batch-size (images per process) or --img-size"),
+    (RuntimeError("Error(s) in loading state_dict for Sequential:\n\tMissing key(s) in state_dict: \"2.weight\"."),
+     "error: the checkpoint's weights do not fit this model (Error(s) in loading state_dict for Sequential:); "),
+])
+def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as ended:
+        with utils.one_line_errors():
+            raise error
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_other_failures_keep_their_traceback(capsys):
+    with pytest.raises(SystemExit):
+        with utils.one_line_errors():
+            raise ZeroDivisionError("a bug of one's own")
+    assert "Traceback" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the randomness of a step
+def test_a_steps_randomness_is_a_function_of_seed_rank_epoch_and_step():
+    def masks(seed, epoch, step):
+        utils.seed_step(seed, epoch, step)
+        return torch.nn.functional.dropout(torch.ones(64), 0.5)
+    torch.manual_seed(123)  # whatever came before
+    first = masks(0, 1, 5)
+    torch.rand(1000)
+    assert torch.equal(masks(0, 1, 5), first)
+    assert not torch.equal(masks(0, 1, 6), first) and not torch.equal(masks(1, 1, 5), first)
+    assert not torch.equal(masks(0, 2, 5), first)
+
