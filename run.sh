@@ -49,12 +49,15 @@ if ! has_modules "$PYTHON"; then
   PYTHON=.venv/bin/python
 fi
 
+need() {  # one line where run.sh was copied into a project without its tools/
+  [ -f "$1" ] || { echo "run.sh: $1 is missing: copy the tools/ folder beside run.sh" >&2; exit 2; }
+}
 case "$mode" in
   single) exec "$PYTHON" train_single.py "$@" ;;
   dp) exec "$PYTHON" train_dp.py "$@" ;;
-  shrink) exec "$PYTHON" tools/shrink.py "$@" ;;
-  doctor) exec "$PYTHON" tools/doctor.py "$@" ;;
-  gpucheck) exec "$PYTHON" tools/gpucheck.py "$@" ;;
+  shrink) need tools/shrink.py; exec "$PYTHON" tools/shrink.py "$@" ;;
+  doctor) need tools/doctor.py; exec "$PYTHON" tools/doctor.py "$@" ;;
+  gpucheck) need tools/gpucheck.py; exec "$PYTHON" tools/gpucheck.py "$@" ;;
   test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed.
     # A passed test's folder goes when it ends (a full run writes ~9 GB of checkpoints; pytest keeps the last 3 runs')
     if [ "${1:-}" = quick ]; then shift; set -- -m quick "$@"; fi
@@ -87,7 +90,7 @@ if [ "$gpus" -eq 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))  # the processes share the cores
 fi
 
-if [ "$mode" = bench ]; then exec "$PYTHON" tools/bench.py --nproc "$nproc" "$@"; fi
+if [ "$mode" = bench ]; then need tools/bench.py; exec "$PYTHON" tools/bench.py --nproc "$nproc" "$@"; fi
 
 # Single node: --standalone picks a free port. Multi-node: NNODES>1 and MASTER_ADDR:MASTER_PORT of node 0.
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
@@ -103,6 +106,7 @@ if [ "${NNODES:-1}" -gt 1 ]; then
   # torchrun guesses from this machine's hostname whether it hosts the rendezvous and which address the others
   # reach it at, and gloo which interface to bind: wrong wherever the hostname names another interface. MASTER_ADDR
   # says it better (tools/hosts.py prints one line); what the user set (TORCHRUN_ARGS, *_SOCKET_IFNAME) wins.
+  need tools/hosts.py
   plan=$("$PYTHON" tools/hosts.py plan) || exit 2
   read -r must_wait is_host local_addr ifname <<< "$plan"
   conf=join_timeout=$RDZV_TIMEOUT
@@ -125,6 +129,12 @@ case "$mode" in
   amp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_amp.py ;;
   fsdp) cmd=("$PYTHON" -m torch.distributed.run) script=train_fsdp.py ;;
 esac
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
+if [ ! -f tools/launcher.py ]; then  # run.sh copied without tools/: the launcher itself, its report and exit status
+  echo "run.sh: no tools/launcher.py beside run.sh: the launcher runs as it is, with its own report after an error" \
+       "or a stop (copy tools/ for one-line endings)" >&2
+  exec "${cmd[@]}" "${where[@]}" --nproc-per-node="$nproc" "${extra[@]}" "$script" "$@"
+fi
 
 # Run the launcher as a child in a process group of its own, and pass SIGTERM, SIGHUP (a closed terminal or ssh
 # session) and Ctrl-C on to it exactly once (torchrun's agent cuts its graceful shutdown short if a second signal
@@ -137,7 +147,6 @@ esac
 tmp=$(mktemp -d) log=$(mktemp "${TMPDIR:-/tmp}/run.sh-$mode-log.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 mkfifo "$tmp/out" "$tmp/err"
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
 export PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-1}  # the ranks' lines reach the screen through the filter's pipe
 set -m  # each in a process group of its own: a signal to run.sh's group reaches neither
 (trap '' INT TERM HUP; exec "$PYTHON" tools/launcher.py filter "$tmp/out" "$tmp/err" "$log" </dev/null) &

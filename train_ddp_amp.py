@@ -2,6 +2,8 @@
 
 train_ddp_torchrun.py plus torch.autocast, bf16 (CPUs, recent GPUs) or fp16 with a GradScaler (CUDA), and --clip-grad:
     torchrun --standalone --nproc-per-node=2 train_ddp_amp.py --amp-dtype bf16
+Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
+and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
 import contextlib
 import gc

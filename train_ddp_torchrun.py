@@ -4,6 +4,8 @@ train_ddp_launch.py plus what torchrun brings: ranks from the environment, elast
 last checkpoint, and multi-node rendezvous; plus --sync-bn and gradient accumulation (--accum-steps):
     torchrun --standalone --nproc-per-node=2 train_ddp_torchrun.py
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 train_ddp_torchrun.py --save-every 100
+Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
+and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
 import contextlib
 import gc

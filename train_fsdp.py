@@ -4,6 +4,8 @@ train_ddp_torchrun.py with the model sharded, not replicated: each process holds
 and optimizer state (ZeRO-3; ZeRO-2 with --no-reshard-after-forward), or 1/(N/R) in R replicas (--hsdp R); bf16 with
 BatchNorm in fp32 (--amp-dtype bf16); sharded checkpoints resume at any number of processes and mesh shape.
     torchrun --standalone --nproc-per-node=4 train_fsdp.py --amp-dtype bf16 --hsdp 2
+Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
+and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
 import argparse
 import gc

@@ -8,13 +8,14 @@ by name (--weights IMAGENET1K_V1), read from the hub cache with no network (conf
 """
 import json
 import os
+import shutil
 import signal
 import sys
 
 import pytest
 import torch
 
-from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, ahead_fixture, assert_resumed_after, assert_same_weights,
+from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, ahead_fixture, assert_resumed_after, assert_same_weights,
                       collectives_per_step, finish, free_port, hub_env, job_env, kill_job, load_model_state,
                       make_dataset, ok, outcomes, popen, run_job, run_sh, side_by_side)
 
@@ -240,8 +241,13 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     # A file that only one rank reads (below): that rank reports it, and the job ends instead of hanging
     data = make_dataset(tmp_path / "data", [12, 12])
     (data / "c1" / "0003.jpg").write_bytes(b"not an image at all")
-    # the three jobs side by side: each fails within seconds, mostly starting up
-    late, no_network, unreadable = side_by_side(
+    # A user's copy whose dataset returns dicts, and one whose model holds a layer that forward() never calls
+    dicts, unused = (users_copy(tmp_path / name, code) for name, code in (("dicts", DICT_ITEMS), ("unused", UNUSED)))
+    # the jobs side by side: each fails within seconds, mostly starting up
+    dict_items, unused_layer, late, no_network, unreadable = side_by_side(
+        lambda: torchrun(dicts, 2, "train_ddp_torchrun.py", "--epochs", "1", "--output-dir", "out", timeout=120),
+        lambda: torchrun(unused, 2, "train_ddp_torchrun.py", "--epochs", "1", "-b", "8", "--output-dir", "out",
+                         timeout=120),
         lambda: torchrun(bare, 2, late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data,
                          extra=["--no-python", "bash"], timeout=120),
         # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1
@@ -264,6 +270,62 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     errors = [line for line in (unreadable.stdout + unreadable.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "0003.jpg" in errors[0], unreadable.stderr[-3000:]
     assert "Traceback" not in unreadable.stdout
+
+    for proc, line in ((dict_items, "error: the training set's items must be (image tensor, int label) pairs; its first "
+                                    "is a dict with keys 'image', 'label': return (item[image key], item[label key])"),
+                       (unused_layer, "error: some parameters got no gradient in the last step (2 3): the model holds "
+                                      "a module that forward() does not use; remove it, or pass "
+                                      "find_unused_parameters=True in the DDP(...) line (docs/troubleshooting.md)")):
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and errors == [line], proc.stderr[-3000:]
+        assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]  # torchrun's own report, after the line
+
+
+DICT_ITEMS = """
+class Dicts(torch.utils.data.Dataset):  # items as some libraries return them
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return {"image": torch.zeros(3, 8, 8), "label": index % 2}
+
+
+def build_datasets(args):
+    return Dicts(), Dicts(), ["a", "b"]
+
+
+def build_model(args, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, num_classes))
+"""
+UNUSED = """
+class Net(torch.nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, num_classes))
+        self.aux_head = torch.nn.Linear(3 * 8 * 8, num_classes)  # never called
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def build_datasets(args):
+    data = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8), torch.arange(64) % 2)
+    return data, data, ["a", "b"]
+
+
+def build_model(args, num_classes):
+    return Net(num_classes)
+"""
+
+
+def users_copy(folder, code):
+    """train_ddp_torchrun.py and utils.py in folder, the rung's two functions replaced by code."""
+    folder.mkdir()
+    shutil.copy(REPO / "utils.py", folder)
+    text = (REPO / "train_ddp_torchrun.py").read_text()
+    start, end = text.index("def build_datasets(args):"), text.index("def main(args):")
+    (folder / "train_ddp_torchrun.py").write_text(text[:start] + code.lstrip() + "\n\n" + text[end:])
+    return folder
 
 
 def test_run_sh_refuses_a_bad_process_count():

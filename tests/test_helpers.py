@@ -351,3 +351,13 @@ def test_a_steps_randomness_is_a_function_of_seed_rank_epoch_and_step():
     assert not torch.equal(masks(0, 1, 6), first) and not torch.equal(masks(1, 1, 5), first)
     assert not torch.equal(masks(0, 2, 5), first)
 
+
+
+def test_each_rank_draws_its_own_randomness(monkeypatch):
+    """Separate GPUs would not share Dropout masks: rank 1's step differs from rank 0's, and repeats itself."""
+    def masks(rank):
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+        utils.seed_step(0, 1, 5)
+        return torch.nn.functional.dropout(torch.ones(64), 0.5)
+    assert not torch.equal(masks(0), masks(1)) and torch.equal(masks(1), masks(1))

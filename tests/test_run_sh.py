@@ -6,6 +6,7 @@ reports fed through a stand-in launcher were captured from real runs of torch 2.
 import os
 import pty
 import select
+import shutil
 import signal
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 
 from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_resumed_after, assert_same_weights,
                       checkpoint_step, descendants, job_env, kill_all, load_model_state, ok, outcomes, ranks,
-                      read_lines_until, run_sh, side_by_side, start)
+                      read_lines_until, run_job, run_sh, side_by_side, start)
 
 
 def env_with(**settings):
@@ -30,7 +31,30 @@ def stopped_by(output, name):
 def run_sh_jobs(out, tiny_data):
     """Two tests' jobs side by side (conftest.outcomes), each ended by its own events: {name: conftest.Outcome}."""
     return outcomes(sigkill=lambda: sigkill_of_run_sh(tiny_data, out / "sigkill"),
-                    fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"))
+                    fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"),
+                    without_tools=lambda: without_tools(tiny_data, out / "without_tools"))
+
+
+def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_is_missing(run_sh_jobs):
+    """run.sh and a rung copied into a project, tools/ left behind: the job runs under torchrun as it is (one line
+    says what run.sh leaves out then); the modes that need a tool end in one line naming it."""
+    run_sh_jobs["without_tools"].get()
+
+
+def without_tools(tiny_data, folder):
+    folder.mkdir(parents=True)
+    for name in ("run.sh", "train_ddp_torchrun.py", "utils.py"):
+        shutil.copy(REPO / name, folder)
+    job = run_job(["bash", "run.sh", "ddp", 2, *DEFAULTS, "--epochs", "1", "--data-path", tiny_data, "--output-dir",
+                   folder / "run"], cwd=folder, env=job_env(), timeout=120)
+    assert job.returncode == 0 and (folder / "run" / "results.json").is_file(), job.stderr[-3000:]
+    assert job.stderr.startswith("run.sh: no tools/launcher.py beside run.sh: the launcher runs as it is"), job.stderr
+    for args, missing in ((["doctor"], "tools/doctor.py"), (["bench"], "tools/bench.py"),
+                          (["ddp", 1], "tools/hosts.py")):
+        proc = run_job(["bash", "run.sh", *args], cwd=folder, env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1"),
+                       timeout=30)
+        assert (proc.returncode, proc.stderr) == (2, f"run.sh: {missing} is missing: copy the tools/ folder beside "
+                                                     f"run.sh\n"), proc.stderr
 
 
 def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(run_sh_jobs):
