@@ -4,7 +4,6 @@ train_single.py plus DDP, started by the classic launcher (torchrun is the next 
     python -m torch.distributed.launch --nproc-per-node=2 train_ddp_launch.py
 The launcher passes --local-rank=N to each process and sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 """
-import gc
 import os
 import time
 from datetime import timedelta
@@ -22,14 +21,16 @@ def build_datasets(args):
     """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
     label) items works: uint8 images are normalised on the device, float images used as given; the training set's
     random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
-    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
-    return (utils.ImageFiles(train_samples, args.img_size, train=True),
-            utils.ImageFiles(val_samples, args.img_size, train=False), classes)
+    import builtin  # our image folders (builtin.py): not needed once this function is yours
+    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+    return (builtin.ImageFiles(train_samples, args.img_size, train=True),
+            builtin.ImageFiles(val_samples, args.img_size, train=False), classes)
 
 
 def build_model(args, num_classes):
     """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
-    return utils.torchvision_model(args.model, num_classes, args.weights, args.freeze)
+    import builtin  # torchvision's ResNet and its weights (builtin.py): not needed once this function is yours
+    return builtin.resnet(args.model, num_classes, args.weights, args.freeze)
 
 
 def main(args):
@@ -198,7 +199,6 @@ def evaluate(model, loader, device, num_classes):
 
 
 if __name__ == "__main__":
-    gc.freeze()  # torch's ~300,000 objects live until exit: the garbage collector need not scan them
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     # torch.distributed.launch passes --local-rank=N (torch >= 2.0) or --local_rank=N (older): accept both
     parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),

@@ -8,7 +8,6 @@ Stopped by a signal, plain torchrun prints its own report last and exits 1; bash
 and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
 import contextlib
-import gc
 import os
 import time
 from datetime import timedelta
@@ -26,14 +25,16 @@ def build_datasets(args):
     """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
     label) items works: uint8 images are normalised on the device, float images used as given; the training set's
     random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
-    classes, train_samples, val_samples = utils.find_images(args.data_path or utils.demo_data(), args.val_fraction)
-    return (utils.ImageFiles(train_samples, args.img_size, train=True),
-            utils.ImageFiles(val_samples, args.img_size, train=False), classes)
+    import builtin  # our image folders (builtin.py): not needed once this function is yours
+    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+    return (builtin.ImageFiles(train_samples, args.img_size, train=True),
+            builtin.ImageFiles(val_samples, args.img_size, train=False), classes)
 
 
 def build_model(args, num_classes):
     """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
-    return utils.torchvision_model(args.model, num_classes, args.weights, args.freeze)
+    import builtin  # torchvision's ResNet and its weights (builtin.py): not needed once this function is yours
+    return builtin.resnet(args.model, num_classes, args.weights, args.freeze)
 
 
 def main(args):
@@ -238,7 +239,6 @@ def evaluate(model, loader, device, num_classes, stop=None):
 
 
 if __name__ == "__main__":
-    gc.freeze()  # torch's ~300,000 objects live until exit: the garbage collector need not scan them
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")

@@ -247,9 +247,9 @@ def tiny_data(tmp_path_factory):
     (divisible neither by 2 nor by 3, so it cannot be sharded evenly) and the training split 16 + 16 + 18 = 50,
     which with -b 8 and drop_last is 6 steps per epoch.
     """
-    import utils
+    import builtin
     root = make_dataset(tmp_path_factory.mktemp("tiny") / "data", [22, 21, 24])
-    classes, train, val = utils.find_images(root, 0.25)
+    classes, train, val = builtin.find_images(root, 0.25)
     assert classes == ["c0", "c1", "c2"] and len(train) == 50 and len(val) == 17, (len(train), len(val))
     return root
 
@@ -277,12 +277,12 @@ def hub_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def initial_weights():
-    """The weights every script starts from on 3 classes (its seed 0, then utils.torchvision_model("resnet18", 3)),
+    """The weights every script starts from on 3 classes (its seed 0, then builtin.resnet("resnet18", 3)),
     made once in the main thread: a run made ahead (conftest.Ahead) must not draw from the global random state while
     a test does."""
-    import utils
+    import builtin
     torch.manual_seed(0)
-    return utils.torchvision_model("resnet18", 3).state_dict()
+    return builtin.resnet("resnet18", 3).state_dict()
 
 
 # ------------------------------------------------------------------------------------- jobs started by run.sh
@@ -532,7 +532,7 @@ def bare(tmp_path_factory):
     """An empty folder with only the six scripts and utils.py copied in: what a user copies into a project."""
     folder = tmp_path_factory.mktemp("bare")
     for name in ("train_single.py", "train_dp.py", "train_ddp_launch.py", "train_ddp_torchrun.py", "train_ddp_amp.py",
-                 "train_fsdp.py", "utils.py"):
+                 "train_fsdp.py", "utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder / name)
     return folder
 

@@ -236,7 +236,8 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     convolution met: (the process, those (layer, input, weight, output) dtypes)."""
     copy = out / "copy"
     copy.mkdir()
-    shutil.copy(REPO / "utils.py", copy)
+    for name in ("utils.py", "builtin.py"):
+        shutil.copy(REPO / name, copy)
     hook = ("    seen = set()  # (test) the dtypes each layer type meets\n"
             "    for m in model.modules():\n"
             "        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.Conv2d)):\n"

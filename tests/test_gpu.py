@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+import builtin
 import utils
 from conftest import (DEFAULTS, FP16_CLIP, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
                       finish, gpu_env, load_model_state, ok, read_until, run_sh, start)
@@ -73,13 +74,13 @@ def check_run(proc, output_dir, device="cuda", trained=True):
 
 def test_training_steps_never_wait_for_the_gpu():
     """The scripts' training step on CUDA, in this process, with the project's own model and normalisation
-    (utils.torchvision_model, utils.normalize), in fp32 and under bf16 autocast: after warm-up, steps run under
+    (builtin.resnet, utils.normalize), in fp32 and under bf16 autocast: after warm-up, steps run under
     torch.cuda.set_sync_debug_mode("error"), which raises at any host-device synchronisation (an .item(), or a
     blocking copy such as torch.tensor(list, device="cuda")). One such sync per step drains the GPU's queue: the
     host waits for every step to end before it can queue the next."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    model = utils.torchvision_model("resnet18", 3).to(device)
+    model = builtin.resnet("resnet18", 3).to(device)
     utils.train_mode(model, freeze=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8).pin_memory()  # as the loaders give them
@@ -227,7 +228,7 @@ def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
     ok(run_sh("single", *common, "--output-dir", tmp_path / "single", env=env()))
     trained = {name: load_model_state(tmp_path / name / "last.pt") for name in ("dp", "single")}
     torch.manual_seed(0)
-    initial = utils.torchvision_model("resnet18", 3).state_dict()
+    initial = builtin.resnet("resnet18", 3).state_dict()
     moved = (trained["single"]["fc.weight"] - initial["fc.weight"]).norm().item()
     apart = (trained["dp"]["fc.weight"] - trained["single"]["fc.weight"]).norm().item()
     assert apart < 0.1 * moved, (apart, moved)

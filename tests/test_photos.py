@@ -1,6 +1,6 @@
 """Photos as people have them: reduced JPEG decoding, tools/shrink.py, the data-wait hint and the confusion picture.
 
-In-process tests of utils.ImageFiles against the pipeline as it was before reduced decoding (full decode, then the
+In-process tests of builtin.ImageFiles against the pipeline as it was before reduced decoding (full decode, then the
 crop), and real runs of tools/shrink.py through run.sh on generated class folders.
 """
 import hashlib
@@ -18,6 +18,7 @@ import torchvision
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
+import builtin
 import utils
 from conftest import REPO, job_env, run_sh
 
@@ -47,14 +48,14 @@ def before(path, img_size, train, seed, epoch, index):
     if not train:
         return TF.center_crop(TF.resize(image, round(img_size * 8 / 7), antialias=True), img_size)
     generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
-    top, left, height, width, flip = utils.random_crop_box(image.shape[-2], image.shape[-1], generator)
+    top, left, height, width, flip = builtin.random_crop_box(image.shape[-2], image.shape[-1], generator)
     image = torch.nn.functional.interpolate(image[None, :, top:top + height, left:left + width],
                                             size=[img_size] * 2, mode="bilinear", antialias=True)[0]
     return image.flip(-1) if flip else image
 
 
 def items(files, img_size, train, epochs=3, seed=0):
-    dataset = utils.ImageFiles(utils.Samples([(str(f), 0) for f in files]), img_size, train)
+    dataset = builtin.ImageFiles(builtin.Samples([(str(f), 0) for f in files]), img_size, train)
     if not train:
         return [(i, dataset[i][0]) for i in range(len(files))]
     items = utils.SeededItems(dataset, seed)  # as the scripts' training loader reads it
@@ -86,8 +87,8 @@ def test_large_jpegs_same_box_and_a_close_image(tmp_path):
     filtered a little differently (measured: 0.4 to 1.7 on photo-like noise). The red and green channels encode
     the position: a box 1% of the image away moves their mean by about 2.5."""
     files = [photo(tmp_path / f"{i}.jpg", 1024, 768, seed=i) for i in range(3)]
-    assert utils.decode_image(files[0], lambda height, width: 4).shape == (3, 192, 256)  # 1/4 scale: really smaller
-    assert utils.decode_image(files[0], lambda height, width: 1).shape == (3, 768, 1024)
+    assert builtin.decode_image(files[0], lambda height, width: 4).shape == (3, 192, 256)  # 1/4 scale: really smaller
+    assert builtin.decode_image(files[0], lambda height, width: 1).shape == (3, 768, 1024)
     for img_size, train in ((64, True), (96, True), (64, False)):
         reduced = 0
         for key, image in items(files, img_size, train):
@@ -103,7 +104,7 @@ def test_large_jpegs_same_box_and_a_close_image(tmp_path):
 def test_sample_stream_unchanged_across_workers(tmp_path):
     # the defaults a user gets: loader workers on; reduced decoding in the workers and in the main process
     files = [photo(tmp_path / f"c{i % 2}" / f"{i}.jpg", 640, 480, seed=i) for i in range(8)]
-    dataset = utils.SeededItems(utils.ImageFiles(utils.Samples([(str(f), i % 2) for i, f in enumerate(files)]), 48,
+    dataset = utils.SeededItems(builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(files)]), 48,
                                                  True), seed=5)
 
     def stream(workers):
@@ -150,7 +151,7 @@ def test_shrink_copies_resumes_and_reports_unreadable_files(tmp_path):
         assert image.format == "PNG" and image.size == (110, 256)
     assert (dst / "train" / "dog" / "small.jpg").read_bytes() == small.read_bytes()  # small: copied unchanged
     assert not (dst / "train" / "dog" / "broken.jpg").exists() and not (dst / "train" / "dog" / "notes.txt").exists()
-    classes, train, val = utils.find_images(dst, 0.2)  # what the scripts will read
+    classes, train, val = builtin.find_images(dst, 0.2)  # what the scripts will read
     assert classes == ["cat", "dog"] and len(train) == 3 and len(val) == 2
     assert "4 shrunk" in proc.stdout and "1 copied unchanged" in proc.stdout, proc.stdout
 
@@ -217,7 +218,7 @@ def test_shrink_killed_leaves_no_partial_file_and_resumes(tmp_path):
 
 
 def test_shrink_knows_the_scripts_image_files():
-    assert shrink.IMAGE_EXTENSIONS == utils.IMAGE_EXTENSIONS
+    assert shrink.IMAGE_EXTENSIONS == builtin.IMAGE_EXTENSIONS
 
 
 # ------------------------------------------------------------------------------------------ logging
@@ -243,11 +244,11 @@ def epoch_line(tmp_path, dataset, capsys):
 def test_data_wait_hint_names_shrink_for_large_photos(tmp_path, capsys):
     large = [photo(tmp_path / "large" / f"{i}.jpg", 1200, 900, seed=i) for i in range(6)]
     small = [photo(tmp_path / "small" / f"{i}.jpg", 200, 150, seed=i) for i in range(6)]
-    line = epoch_line(tmp_path / "a", utils.ImageFiles(utils.Samples([(str(f), i % 2) for i, f in enumerate(large)]),
+    line = epoch_line(tmp_path / "a", builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(large)]),
                                                        64, True), capsys)
     assert "data loading is the bottleneck" in line and "900 px images for a 64 px crop" in line \
         and "bash run.sh shrink" in line, line
-    line = epoch_line(tmp_path / "b", utils.ImageFiles(utils.Samples([(str(f), i % 2) for i, f in enumerate(small)]),
+    line = epoch_line(tmp_path / "b", builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(small)]),
                                                        64, True), capsys)
     assert "data loading is the bottleneck; raise --workers" in line and "shrink" not in line, line
 
@@ -257,7 +258,7 @@ def grey(image):
 
 
 def test_confusion_picture_names_shares_and_colours():
-    classes = list(utils.DEMO_CLASSES)
+    classes = list(builtin.DEMO_CLASSES)
     confusion = torch.tensor([[8, 2, 0, 0, 0], [0, 7, 2, 0, 1], [3, 0, 6, 1, 0], [0, 0, 0, 9, 1], [0, 1, 1, 0, 8]])
     image = utils.confusion_image(confusion, classes)
     assert image.dtype == torch.uint8 and image.shape[0] == 3

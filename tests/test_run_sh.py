@@ -43,7 +43,7 @@ def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_i
 
 def without_tools(tiny_data, folder):
     folder.mkdir(parents=True)
-    for name in ("run.sh", "train_ddp_torchrun.py", "utils.py"):
+    for name in ("run.sh", "train_ddp_torchrun.py", "utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder)
     job = run_job(["bash", "run.sh", "ddp", 2, *DEFAULTS, "--epochs", "1", "--data-path", tiny_data, "--output-dir",
                    folder / "run"], cwd=folder, env=job_env(), timeout=120)

@@ -14,6 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import (EXACT, ahead_fixture, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
                       kill_job, load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
+import builtin
 import utils
 
 TOL = 1e-5  # see test_ddp.py
@@ -92,10 +93,10 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     """The reference for a resume at another size, computed in this process without the scripts' samplers: the
     checkpoint's head (with --freeze only the head trains, and BatchNorm keeps its statistics) continued by SGD on
     the rest of each epoch's order (epoch_order), global_batch samples a step, as many steps as fit."""
-    classes, train, _ = utils.find_images(data, 0.25)
-    dataset = utils.SeededItems(utils.ImageFiles(train, img_size, train=True), seed)  # as the scripts read it
+    classes, train, _ = builtin.find_images(data, 0.25)
+    dataset = utils.SeededItems(builtin.ImageFiles(train, img_size, train=True), seed)  # as the scripts read it
     checkpoint = torch.load(checkpoint_path, weights_only=True)
-    model = utils.torchvision_model("resnet18", len(classes), freeze=True)
+    model = builtin.resnet("resnet18", len(classes), freeze=True)
     model.load_state_dict(checkpoint["model"])
     utils.train_mode(model, freeze=True)
     peak = lr * global_batch / 256

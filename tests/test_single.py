@@ -19,6 +19,7 @@ import pytest
 import torch
 import torchvision
 
+import builtin
 import utils
 from conftest import (FAST, NO_NETWORK, REPO, ahead_fixture, assert_same_weights, cpu_env, load_model_state,
                       make_dataset, outcomes, run_forked, run_job, run_script, side_by_side)
@@ -132,7 +133,7 @@ def test_loader_workers_do_not_change_weights(runs, baseline):
 
 @pytest.mark.quick
 def test_results_and_checkpoints(baseline, tiny_data):
-    _, _, val = utils.find_images(tiny_data, 0.25)
+    _, _, val = builtin.find_images(tiny_data, 0.25)
     results = json.loads((baseline.dir / "results.json").read_text())
     for key in ("best_acc", "final_acc"):
         assert 0.0 <= results[key] <= 1.0, (key, results[key])
@@ -162,7 +163,7 @@ def counted_here(state, val):
     model = torchvision.models.resnet18(num_classes=3)
     model.load_state_dict(state)
     model.eval()
-    images = utils.ImageFiles(val, 32, train=False)
+    images = builtin.ImageFiles(val, 32, train=False)
     counts = torch.zeros(3, 3, dtype=torch.int64)
     with torch.no_grad():
         for first in range(0, len(val), 8):
@@ -198,7 +199,7 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short
     """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
     evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
     far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
-    _, _, val = utils.find_images(tiny_data, 0.25)
+    _, _, val = builtin.find_images(tiny_data, 0.25)
     check_ok(short_runs["untrained"].get())
     for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
                                   (short_runs["dir"] / "untrained" / "results.json", initial_weights)):
@@ -390,20 +391,20 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- demo data
 def test_demo_data_is_deterministic(tmp_path):
-    utils.make_demo_images(tmp_path / "a", per_class=3)
-    utils.make_demo_images(tmp_path / "b", per_class=3)
-    assert len(utils.DEMO_CLASSES) == 5
+    builtin.make_demo_images(tmp_path / "a", per_class=3)
+    builtin.make_demo_images(tmp_path / "b", per_class=3)
+    assert len(builtin.DEMO_CLASSES) == 5
     for folder in (tmp_path / "a", tmp_path / "b"):
-        assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(utils.DEMO_CLASSES)
+        assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(builtin.DEMO_CLASSES)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     assert len(files) == 5 * 3
     differing = [str(f) for f in files if (tmp_path / "a" / f).read_bytes() != (tmp_path / "b" / f).read_bytes()]
     assert not differing, f"demo images differ between two generations: {differing}"
     first_images = {(tmp_path / "a" / name / sorted(os.listdir(tmp_path / "a" / name))[0]).read_bytes()
-                    for name in utils.DEMO_CLASSES}
+                    for name in builtin.DEMO_CLASSES}
     assert len(first_images) == 5, "classes should not share images"
-    image = utils.decode_image(tmp_path / "a" / utils.DEMO_CLASSES[0] / sorted(files)[0].name)
+    image = builtin.decode_image(tmp_path / "a" / builtin.DEMO_CLASSES[0] / sorted(files)[0].name)
     assert image.shape == (3, 80, 80) and image.dtype == torch.uint8
 
 

@@ -10,7 +10,7 @@ the same model (resnet18), crop size (64) and batch per process (32), on the bui
   single, dp      train_single.py and train_dp.py with all the threads
   ddp N, amp N    train_ddp_torchrun.py and train_ddp_amp.py under torchrun, the threads split between processes
   accumulation    ddp N with --accum-steps 4 (no_sync) against ddp N with --accum-steps 1 (all-reduce every micro-step)
-  data pipeline   images/s of the project's loader (utils.ImageFiles + default collate) and of the textbook
+  data pipeline   images/s of the project's loader (builtin.ImageFiles + default collate) and of the textbook
                   ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, one process, one thread
   start-up        process start -> torch and torchvision imported (import), and -> first progress line (first step),
                   in one train_single.py process
@@ -81,17 +81,18 @@ def probe_child(opts):
     import torch
     import torchvision
     sys.path.insert(0, str(REPO))
+    import builtin
     import utils
 
     cuda = torch.cuda.is_available()
-    root = utils.demo_data()
+    root = builtin.demo_data()
     if opts.child_data:  # --tiny: the first 40 images of each class, linked, so that a whole epoch takes seconds
         root, demo = Path(opts.child_data), root
         for folder in sorted(path for path in demo.iterdir() if path.is_dir()):
             (root / folder.name).mkdir(parents=True)
             for image in sorted(folder.iterdir())[:40]:
                 (root / folder.name / image.name).symlink_to(image)
-    classes, train, _ = utils.find_images(root, 0.2)
+    classes, train, _ = builtin.find_images(root, 0.2)
     result = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": cuda,
               "gpus": torch.cuda.device_count() if cuda else 0,
               "gpu": torch.cuda.get_device_name(0) if cuda else "none",
@@ -106,8 +107,9 @@ def probe_child(opts):
 def training_step(torch, utils, num_classes, device):
     """The training step alone (forward, backward, SGD step) on one batch of tensors already on the device."""
     import torch.nn.functional as F
+    import builtin
     torch.manual_seed(0)
-    model = utils.torchvision_model(MODEL, num_classes).to(device)
+    model = builtin.resnet(MODEL, num_classes).to(device)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * BATCH / 256, momentum=0.9, weight_decay=1e-4)
     images = torch.randn(BATCH, 3, IMG_SIZE, IMG_SIZE, device=device)
@@ -283,11 +285,12 @@ def photos_child(opts):
     import torchvision
     import torchvision.transforms as T
     sys.path.insert(0, str(REPO))
+    import builtin
     import utils
     torch.set_num_threads(1)
     folder, shrunk, repeats, seconds = opts.child_photos[0], opts.child_photos[1], int(opts.child_photos[2]), \
         float(opts.child_photos[3])
-    decode = utils.decode_image
+    decode = builtin.decode_image
 
     def pipeline(name, size):
         root = Path(shrunk if name == "shrunk" else folder) / size
@@ -296,10 +299,10 @@ def photos_child(opts):
                 T.RandomResizedCrop(PHOTO_IMG), T.RandomHorizontalFlip(), T.ToTensor(),
                 T.Normalize(utils.MEAN, utils.STD)]))
             return len(dataset), lambda epoch, i: dataset[i]
-        samples = utils.Samples([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
-        dataset = utils.SeededItems(utils.ImageFiles(samples, PHOTO_IMG, train=True), seed=0)
+        samples = builtin.Samples([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
+        dataset = utils.SeededItems(builtin.ImageFiles(samples, PHOTO_IMG, train=True), seed=0)
         # before: without the scale callback every image is decoded in full, and its box drawn from the decoded size
-        utils.decode_image = (lambda path, scale=None: decode(path)) if name == "before" else decode
+        builtin.decode_image = (lambda path, scale=None: decode(path)) if name == "before" else decode
         return len(dataset), lambda epoch, i: dataset[(epoch, i)]
 
     def rate(name, size, epoch):
@@ -427,7 +430,7 @@ def photo_table(photos):
 
 
 def gpu_feed_child(opts):
-    """The bf16 resnet50 step fed by one pipeline's DataLoader (project: utils.ImageFiles, uint8 tensors
+    """The bf16 resnet50 step fed by one pipeline's DataLoader (project: builtin.ImageFiles, uint8 tensors
     normalised on the GPU; textbook: ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize)."""
     import torch
     import torch.nn.functional as F
@@ -435,12 +438,13 @@ def gpu_feed_child(opts):
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
     sys.path.insert(0, str(REPO))
+    import builtin
     import utils
     pipeline, workers, folder = opts.child_gpu_feed
     warmup, steps = 4, 12
-    _, train, _ = utils.find_images(folder, 0.2)
+    _, train, _ = builtin.find_images(folder, 0.2)
     if pipeline == "project":  # asked for (epoch, index), as the scripts' EpochSampler does
-        dataset = utils.SeededItems(utils.ImageFiles(train, GPU_IMG, train=True), seed=0)
+        dataset = utils.SeededItems(builtin.ImageFiles(train, GPU_IMG, train=True), seed=0)
         order = utils.EpochSampler(torch.utils.data.RandomSampler(dataset))
     else:
         dataset = torchvision.datasets.ImageFolder(folder, T.Compose([
@@ -495,7 +499,8 @@ def loaders(torch, torchvision, utils, root, train, batches):
     """Images/s of the project's training data path and of the textbook one, alternated, on the same files."""
     from torch.utils.data import DataLoader, Subset
     import torchvision.transforms as T
-    project = utils.SeededItems(utils.ImageFiles(train, IMG_SIZE, train=True), seed=0)
+    import builtin
+    project = utils.SeededItems(builtin.ImageFiles(train, IMG_SIZE, train=True), seed=0)
     shuffle = torch.Generator().manual_seed(0)
     project_loader = DataLoader(project, BATCH, sampler=utils.EpochSampler(
         torch.utils.data.RandomSampler(project, generator=shuffle)), num_workers=0, drop_last=True)
@@ -937,7 +942,7 @@ def main():
         if opts.photos:
             results = {"machine": {"cpu": cpu_model(), "cores": cores}, "photos": photo_rows(opts, cores, tmp)}
         elif opts.fsdp:
-            utils_demo = subprocess.run([sys.executable, "-c", "import utils; utils.demo_data()"], cwd=REPO)
+            utils_demo = subprocess.run([sys.executable, "-c", "import builtin; builtin.demo_data()"], cwd=REPO)
             if utils_demo.returncode:
                 raise SystemExit("bench: the demo data could not be made")
             results = {"machine": {"cpu": cpu_model(), "cores": cores}, "fsdp": fsdp_rows(opts, cores, tmp)}

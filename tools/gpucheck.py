@@ -65,9 +65,9 @@ def plan(gpus, budget, costs):
 
 def time_launches(folder, report):
     """One tiny run of each kind, timed: {"script": s, "torchrun": s}, and whether both trained."""
-    import utils
+    import builtin
     data = folder / "data"
-    utils.make_demo_images(data, per_class=12, size=32)
+    builtin.make_demo_images(data, per_class=12, size=32)
     costs, ok = {}, True
     for kind, mode in (("script", ["single"]), ("torchrun", ["ddp", "1"])):
         cmd = ["bash", "run.sh", *mode, "--data-path", data, "--img-size", "32", "-b", "8", "--epochs", "1",

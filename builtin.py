@@ -1,0 +1,243 @@
+"""The built-in data and model that each script's build_datasets() and build_model() use by default: image folders
+(--data-path, or the generated demo data) read as uint8 tensors with their augmentation, and torchvision's ResNet
+with its ImageNet weights (--model, --weights, --freeze). Yours replace them; then this file is not needed."""
+import contextlib
+import math
+import os
+import re
+import shutil
+import urllib.parse
+from pathlib import Path
+
+import numpy
+import torch
+import torchvision
+import torchvision.transforms.v2.functional as TF
+from torch.utils.data import Dataset
+
+import utils
+from utils import BadImageError, UsageError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
+DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
+
+
+# ------------------------------------------------------------------------------------------ image folders
+def find_images(data_path, val_fraction):
+    """(class names, train samples, val samples) from a folder of class sub-folders (split per class by val_fraction,
+    the same split whatever --seed) or a folder holding train/ and val/ class folders."""
+    root = Path(data_path)
+    if not root.is_dir():
+        raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        (classes, train), (val_classes, val) = scan_classes(root / "train"), scan_classes(root / "val")
+        if unknown := sorted(set(val_classes) - set(classes)):
+            raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
+        index = {name: i for i, name in enumerate(classes)}
+        val = [(path, index[val_classes[label]]) for path, label in val]
+    else:
+        classes, samples = scan_classes(root)
+        per_class, train, val = [[] for _ in classes], [], []
+        for path, label in samples:  # one pass: start-up stays linear in the number of files
+            per_class[label].append(path)
+        for label, files in enumerate(per_class):
+            order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
+            n_val = round(val_fraction * len(files))
+            val += [(files[i], label) for i in sorted(order[:n_val])]
+            train += [(files[i], label) for i in sorted(order[n_val:])]
+    for split, name, fix in ((val, "validation", "raise"), (train, "training", "lower")):
+        if not split:
+            raise UsageError(f"the {name} split of {root} is empty; {fix} --val-fraction or add images")
+    return classes, Samples(train), Samples(val)
+
+
+def scan_classes(root):
+    """(class names, [(path, label)]) of root/<class>/**/<image file>, hidden files and folders left out."""
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    if len(classes) < 2:
+        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders"
+                         if classes else f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
+    samples = []
+    for label, name in enumerate(classes):
+        files = []
+        for folder, subfolders, names in os.walk(root / name):
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+            files += [os.path.join(folder, f) for f in sorted(names)
+                      if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+        if not files:
+            raise UsageError(f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                             f"add some or remove the folder")
+        samples += [(f, label) for f in files]
+    return classes, samples
+
+
+class Samples:
+    """A read-only list of (path, label) pairs in two numpy arrays: a list of tuples is written to by every read
+    (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
+
+    def __init__(self, pairs):  # fsencode/fsdecode round-trip undecodable file names
+        self.paths = numpy.array([os.fsencode(path) for path, _ in pairs], dtype=bytes)
+        self.labels = numpy.array([label for _, label in pairs], dtype=numpy.int64)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return os.fsdecode(self.paths[index]), int(self.labels[index])
+
+
+class ImageFiles(Dataset):
+    """Image files as uint8 tensors (3, size, size); normalize() normalises whole batches on the device. A training
+    item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
+
+    def __init__(self, samples, img_size, train):
+        self.samples, self.img_size, self.train = samples, img_size, train
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        box = []
+
+        def scale(height, width):  # the full size: the crop box, then 1/8, 1/4 or 1/2 if the box stays >= the target
+            box[:] = [width, *(random_crop_box(height, width) if self.train else (0, 0, height, width))]
+            target = self.img_size if self.train else round(self.img_size * 8 / 7)
+            return next((s for s in (8, 4, 2) if min(box[3:5]) >= s * target), 1)
+        image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
+        if not box:  # other images: once decoded
+            scale(*image.shape[-2:])
+        if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
+            return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
+        ratio = image.shape[-1] / box[0]  # the box, mapped onto an image decoded smaller (else 1)
+        top, left, bottom, right = (round(v * ratio) for v in (box[1], box[2], box[1] + box[3], box[2] + box[4]))
+        # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
+        image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right], size=[self.img_size] * 2,
+                                                mode="bilinear", antialias=True)[0]
+        return image.flip(-1) if box[5] else image, label
+
+    def large_photo_hint(self):
+        """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""
+        from PIL import Image
+        sides = sorted(min(Image.open(self.samples[i][0]).size) for i in range(0, len(self), len(self) // 8 or 1))
+        if (side := sides[len(sides) // 2]) >= 4 * self.img_size:
+            return f"{side} px images for a {self.img_size} px crop: train on a copy from bash run.sh shrink"
+
+
+def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)):
+    """RandomResizedCrop's box and a horizontal flip: (top, left, height, width, flip)."""
+    for _ in range(10):
+        area_u, ratio_u, top_u, left_u, flip_u = torch.rand(5, generator=generator).tolist()
+        area = height * width * (scale[0] + area_u * (scale[1] - scale[0]))
+        aspect = math.exp(math.log(ratio[0]) + ratio_u * (math.log(ratio[1]) - math.log(ratio[0])))
+        w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(top_u * (height - h + 1)), int(left_u * (width - w + 1)), h, w, flip_u < 0.5
+    return 0, 0, height, width, flip_u < 0.5
+
+
+def decode_image(path, scale=None):
+    """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted). scale(height, width) -> 1,
+    2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT domain (PIL's draft), far cheaper."""
+    from PIL import Image
+    try:
+        data = Path(path).read_bytes()
+        if not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
+            return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                               mode=torchvision.io.ImageReadMode.RGB)
+    except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
+        factor = 1
+    try:
+        with Image.open(path) as image:
+            if factor > 1:
+                image.draft("RGB", (image.width // factor, image.height // factor))
+            return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
+    except Exception as error:
+        raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
+
+
+def jpeg_size(data):
+    """(height, width) from a JPEG's frame header (an SOFn marker: C0-CF but C4, C8, CC), or None. (PIL's Image.open
+    reads it too, at 30 times the cost: a tenth of a 64 px item.)"""
+    i = 2 if data[:2] == b"\xff\xd8" else len(data)
+    while i + 9 < len(data) and data[i] == 0xFF:
+        if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+        i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
+
+
+def demo_data():
+    """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
+    if not DEMO_DIR.is_dir():
+        make_demo_images(partial := DEMO_DIR.with_name(f".demo-{os.getpid()}"))  # renamed into place: never half
+        with contextlib.suppress(OSError):  # (another process finished first; its images are identical)
+            os.rename(partial, DEMO_DIR)
+        shutil.rmtree(partial, ignore_errors=True)
+    return DEMO_DIR
+
+
+def make_demo_images(folder, per_class=200, size=80):
+    """Deterministic textures, one kind per class, with random colours, scale, phase and noise."""
+    y, x = torch.meshgrid(torch.arange(size) / size, torch.arange(size) / size, indexing="ij")
+    for label, name in enumerate(DEMO_CLASSES):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            g = torch.Generator().manual_seed(label * 100_000 + i)
+            freq, phase = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g)
+            radius, centre = 0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g)
+            wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
+            distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
+            pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius, "hstripes": wave(y) > 0,
+                       "vstripes": wave(x) > 0, "rings": wave(distance) > 0}[name].float()
+            background = torch.rand(3, 1, 1, generator=g)
+            foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
+            image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
+            jpeg = torchvision.io.encode_jpeg((image.clamp(0, 1) * 255).to(torch.uint8), quality=90)
+            (folder / name / f"{i:04d}.jpg").write_bytes(jpeg.numpy().tobytes())
+
+
+# ------------------------------------------------------------------------------------------ the ResNet
+def resnet(name, num_classes, weights=None, freeze=False):
+    """A torchvision ResNet; `weights` (see load_weights) are loaded but a classifier head of another shape;
+    freeze: only the head (fc) trains."""
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if weights:
+        state, own = load_weights(name, weights), model.state_dict()
+        skipped = {k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape}
+        try:
+            missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, False)
+        except RuntimeError as error:
+            raise UsageError(f"--weights {weights} do not fit {name}: {str(error).splitlines()[1].strip()}") from None
+        if set(missing) - skipped or unexpected:
+            raise UsageError(f"--weights {weights} do not fit {name}: {len(set(missing) - skipped)} missing and "
+                             f"{len(unexpected)} unexpected keys; pass weights saved from a {name}")
+    for param_name, param in model.named_parameters():
+        param.requires_grad = not freeze or param_name.startswith("fc.")
+    return model
+
+
+def load_weights(name, weights):
+    """--weights: a local file (a state dict or one of our checkpoints), or torchvision's name for the model's weights
+    (DEFAULT, IMAGENET1K_V1, ...), downloaded once into the torch hub cache and read from there afterwards."""
+    if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
+        state = utils.load_file(weights, "--weights")
+        return state.get("model", state)  # one of our checkpoints, or a bare state dict
+    enum, (family, _, short) = torchvision.models.get_model_weights(name), weights.upper().rpartition(".")
+    if family and family != enum.__name__.upper():
+        other = family.removesuffix("_WEIGHTS").lower()
+        raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
+                         f"{name}'s: {', '.join(enum.__members__)}")
+    if short not in enum.__members__:
+        raise UsageError(f"--weights {weights}: no such file, and torchvision has no weights of that name for "
+                         f"{name}; it has {', '.join(enum.__members__)}")
+    # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
+    url = enum[short].url
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
+    try:
+        return enum[short].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0].split(". ")[0][:120] if str(error).strip() else repr(error)
+        raise UsageError(f"--weights {weights}: {cached} is not readable ({reason}); delete it to download it again"
+                         if cached.exists() else f"--weights {weights}: cannot download {url} ({reason}); on a "
+                         f"machine without network, put that file at {cached}") from None
