@@ -34,7 +34,7 @@ esac
 
 # Python: the current one if it has what we need, else .venv (made from requirements.txt on first use).
 needs="torch torchvision tensorboard"
-case "$mode" in test|gpucheck) needs="$needs pytest" ;; esac
+case "$mode" in test) needs="$needs pytest xdist" ;; gpucheck) needs="$needs pytest" ;; esac
 has_modules() {
   "$1" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $needs \
     2>/dev/null
@@ -59,9 +59,10 @@ case "$mode" in
   doctor) need tools/doctor.py; exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) need tools/gpucheck.py; exec "$PYTHON" tools/gpucheck.py "$@" ;;
   test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed.
-    # A passed test's folder goes when it ends (a full run writes ~9 GB of checkpoints; pytest keeps the last 3 runs')
+    # Two workers (pytest-xdist), each taking whole modules; a passed test's folder goes when it ends (a full run
+    # writes ~9 GB of checkpoints, and pytest keeps the last 3 runs')
     if [ "${1:-}" = quick ]; then shift; set -- -m quick "$@"; fi
-    exec "$PYTHON" -m pytest -q --durations=15 -o tmp_path_retention_policy=failed tests "$@" ;;
+    exec "$PYTHON" -m pytest -q -n 2 --dist loadfile --durations=15 -o tmp_path_retention_policy=failed tests "$@" ;;
 esac
 
 # Multi-process modes: N, the GPU check and the threads per process.

@@ -22,8 +22,8 @@ import sys
 
 import pytest
 
-from conftest import (BF16, REPO, ahead_fixture, assert_resumed_after, assert_same_weights, deliver, finish, job_env,
-                      load_model_state, ok, outcomes, popen, read_until, run_job)
+from conftest import (BF16, REPO, assert_resumed_after, assert_same_weights, deliver, finish, load_model_state, ok,
+                      read_until, run, start)
 
 USER_DATA = '''
 import random
@@ -161,7 +161,7 @@ def command(rung, *args):
 
 def uninterrupted(rung, project):
     """The rung's whole run in its copy: it learns the task; the default loader workers show in the header."""
-    whole = ok(run_job(command(rung, "--output-dir", "whole"), cwd=project, env=job_env(), timeout=150))
+    whole = ok(run(command(rung, "--output-dir", "whole"), cwd=project, timeout=150))
     results = json.loads((project / "whole" / "results.json").read_text())
     assert results["final_acc"] >= 0.9, (results["final_acc"], whole.stdout[-2000:])
     assert "Traceback" not in whole.stderr, whole.stderr[-3000:]
@@ -173,7 +173,7 @@ def stopped_and_resumed(rung, project):
     """Stopped in epoch 2 as SLURM stops a job (SIGTERM to every process, loader workers too), then --resume auto:
     the resumed run's last.pt."""
     saves_on_signal = RUNGS[rung][3]
-    job, lines = popen(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project, env=job_env(),
+    job, lines = start(command(rung, "--output-dir", "run", "--save-every", "1"), cwd=project,
                        timeout=150), []
     seen = read_until(job, lines, "epoch 2/3  step 4/12")
     if seen:
@@ -183,30 +183,24 @@ def stopped_and_resumed(rung, project):
     assert job.returncode != 0 and not (project / "run" / "results.json").exists(), output[-3000:]
     if saves_on_signal:  # (plain torchrun then exits 1 with its own report; run.sh makes that 143)
         assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
-    resumed = ok(run_job(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project, env=job_env(),
+    resumed = ok(run(command(rung, "--output-dir", "run", "--resume", "auto"), cwd=project,
                          timeout=150))
     assert_resumed_after(resumed.stdout)
     assert json.loads((project / "run" / "results.json").read_text())["final_acc"] >= 0.9
     return project / "run" / "last.pt"
 
 
-@ahead_fixture
-def adapting_projects(out):
-    """Each rung's copy: its uninterrupted run (none for launch: the torchrun copy's is its reference, the same
-    arithmetic bit for bit: one micro-step a step, the same sampler, hook and loop) and its stopped and resumed run,
-    each rung's jobs one after the other and two rungs side by side (conftest.outcomes); made ahead (conftest.Ahead).
-    {rung: Outcome of (the reference's last.pt, the resumed run's)}."""
-    def jobs(rung):
-        (out / rung).mkdir()
-        project = users_project(out / rung / "project", rung)
-        whole = None if rung == "launch" else uninterrupted(rung, project)
-        return whole, stopped_and_resumed(rung, project)
-    # the longest first (fsdp's jobs, launch's two last), so that the last job has company
-    return outcomes(**{rung: lambda rung=rung: jobs(rung) for rung in ("fsdp", "amp", "ddp", "single", "launch")})
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Each rung's copy and its uninterrupted run's last.pt (none for launch: the torchrun copy's is its reference,
+    the same arithmetic bit for bit: one micro-step a step, the same sampler, hook and loop)."""
+    out = tmp_path_factory.mktemp("adapting")
+    projects = {rung: users_project(out / rung, rung) for rung in RUNGS}
+    return projects, {rung: uninterrupted(rung, projects[rung]) for rung in RUNGS if rung != "launch"}
 
 
 @pytest.mark.parametrize("rung", list(RUNGS))
-def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, adapting_projects):
-    reference = adapting_projects["ddp" if rung == "launch" else rung].get()[0]
-    resumed = adapting_projects[rung].get()[1]
-    assert_same_weights(load_model_state(resumed), load_model_state(reference))
+def test_a_users_dataset_and_model_learn_and_resume_bitwise(rung, references):
+    projects, whole = references
+    resumed = stopped_and_resumed(rung, projects[rung])
+    assert_same_weights(load_model_state(resumed), load_model_state(whole["ddp" if rung == "launch" else rung]))

@@ -5,7 +5,7 @@ import json
 import math
 import sys
 
-from conftest import cpu_env, run_job
+from conftest import cpu_env, run
 
 FIGURES = ["compute_limit_img_s", "single_img_s", "single_ratio", "dp_img_s", "ddp_img_s", "ddp_ratio", "amp_img_s",
            "accum_speedup", "first_step_s", "import_s", "loader_img_s", "classic_loader_img_s",
@@ -16,7 +16,7 @@ def test_quick_bench_writes_every_figure(tmp_path):
     out = tmp_path / "bench"
     env = cpu_env(PYTHON=sys.executable)
     env.pop("OMP_NUM_THREADS", None)  # bench.py sets the threads of every measurement itself
-    proc = run_job(["bash", "run.sh", "bench", "--tiny", "--output-dir", out], env=env, timeout=600)
+    proc = run(["bash", "run.sh", "bench", "--tiny", "--output-dir", out], env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     for key in FIGURES:

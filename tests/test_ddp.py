@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, ahead_fixture, assert_resumed_after, assert_same_weights,
-                      collectives_per_step, finish, free_port, hub_env, job_env, kill_job, load_model_state,
-                      make_dataset, ok, outcomes, popen, run_job, run_sh, side_by_side)
+from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, assert_resumed_after, assert_same_weights,
+                      children, collectives_per_step, finish, free_port, job_env, kill_job, load_model_state,
+                      make_dataset, ok, run, run_sh, start, torchrun)
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -33,20 +33,23 @@ def offline_hub(hub_cache):
         yield
 
 
-def torchrun(cwd, nproc, script, *args, launcher="torch.distributed.run", extra=(), timeout=150, env=None):
-    return run_job([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", *extra, script, *args],
-                   cwd=cwd, env=env or job_env(), timeout=timeout)
-
-
 def results(folder):
     return json.loads((folder / "results.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def runs(ladder_runs):
-    """The reference runs (conftest.ladder_runs): single-process batch 16 (single, dp), and the DDP scripts with
-    2 x batch 8 (launch, ddp)."""
-    return ladder_runs
+def runs(tmp_path_factory, tiny_data, bare):
+    """The references, NAMED_WEIGHTS: one process with batch 16 (single, dp: copied out) and 2 x batch 8 through
+    run.sh as a user starts them (launch, ddp: run.sh picks the launcher, a free port, the threads).
+    {"dir": their folder, "dp"|"launch"|"ddp": the CompletedProcess}."""
+    out, data = tmp_path_factory.mktemp("ladder"), ["--data-path", tiny_data]
+    runs = {"dir": out}
+    for script in ("train_single.py", "train_dp.py"):
+        runs[script[6:-3]] = ok(run([sys.executable, script, *NAMED_WEIGHTS, *data, "-b", "16", "--output-dir",
+                                     out / script[6:-3]], cwd=bare))
+    for mode, extra in (("launch", []), ("ddp", ["--save-every", "2"])):
+        runs[mode] = ok(run_sh(mode, 2, *NAMED_WEIGHTS, *data, "-b", "8", *extra, "--output-dir", out / mode))
+    return runs
 
 
 @pytest.mark.quick
@@ -98,30 +101,15 @@ def test_evaluation_is_exact_for_any_world_size(evaluations):
         assert other["confusion"] == one["confusion"], name
 
 
-@ahead_fixture
-def ddp_side_jobs(out, ladder_runs, tiny_data, bare, hub_cache):
-    """The jobs of three tests side by side (conftest.outcomes), made ahead (conftest.Ahead; the hub cache and no
-    network given to each, as offline_hub gives them here): accumulation (plain and accumulated, profiled), clipping,
-    two nodes. {name: Outcome}."""
-    env = hub_env(hub_cache)
-
-    def profiled(name, batch, accum):
-        return ok(torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", batch,
-                           "--accum-steps", accum, "--sync-bn", "--print-freq", "10", "--profile", "2",
-                           "--output-dir", out / name, env=env))
-    return {"dir": out, **outcomes(
-        plain=lambda: profiled("plain", 4, 1), accum=lambda: profiled("accum", 2, 2),
-        clipped=lambda: ok(torchrun(bare, 2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8",
-                                    "--clip-grad", CLIP, "--output-dir", out / "clipped", env=env)),
-        nodes=lambda: two_nodes(ladder_runs, tiny_data, out / "nodes", env))}
-
-
-def test_accumulation_all_reduces_once_per_optimizer_step(ddp_side_jobs):
+def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_path):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many gradient all-reduces per optimizer
     step, not twice as many. Counted from --profile's trace by tools/profile_report.py (nothing is hooked into DDP):
-    6 steps an epoch, and no progress line, stop vote or evaluation in the profiled steps 4 and 5."""
-    ddp_side_jobs["plain"].get()
-    proc, out = ddp_side_jobs["accum"].get(), ddp_side_jobs["dir"]
+    6 steps an epoch, and no progress line or evaluation in the profiled steps 4 and 5."""
+    out = tmp_path
+    for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
+        proc = ok(torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps",
+                           accum, "--sync-bn", "--print-freq", "10", "--profile", "2", "--output-dir", out / name,
+                           cwd=bare))
     assert_same_weights(load_model_state(out / "accum" / "last.pt"), load_model_state(out / "plain" / "last.pt"),
                         atol=TOL)
     plain, accum = (collectives_per_step(out / name / "trace.json") for name in ("plain", "accum"))
@@ -130,29 +118,16 @@ def test_accumulation_all_reduces_once_per_optimizer_step(ddp_side_jobs):
     assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs CUDA") == 1
 
 
-def children(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return sorted(found)
-
-
 def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
     """torchrun --max-restarts=1; SIGKILL one worker once `kill_after` is printed. Returns (stdout, exit code, the
     pid killed). Every process of the job is killed at the latest 240 s after the start (the watchdog)."""
-    proc = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "--max-restarts=1", script, *args], cwd=cwd, env=job_env(), timeout=240)
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "--max-restarts=1", script, *args], cwd=cwd, timeout=240)
     lines, killed = [], None
     for line in proc.stdout:
         lines.append(line)
         if killed is None and kill_after in line:
-            killed = children(proc.pid)[victim]
+            killed = sorted(children(proc.pid))[victim]
             os.kill(killed, signal.SIGKILL)
     return finish(proc, lines, timeout=30), proc.returncode, killed
 
@@ -185,7 +160,7 @@ def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
     """The amp rung with the torchrun rung's arguments: without autocast it would compute exactly what that rung
     computes. With bf16 autocast the first loss already differs (the forward pass ran in bf16), and the weights end
     near, not at, the torchrun rung's."""
-    amp_losses, fp32_losses = progress(amp_run["proc"].stdout, "loss"), progress(runs["ddp"].stdout, "loss")
+    amp_losses, fp32_losses = progress(amp_run["stdout"], "loss"), progress(runs["ddp"].stdout, "loss")
     assert len(amp_losses) == len(fp32_losses) == 6
     assert amp_losses[0] != fp32_losses[0] and abs(amp_losses[0] - fp32_losses[0]) < 0.05, (amp_losses, fp32_losses)
     amp, fp32 = (load_model_state(folder / "last.pt") for folder in (amp_run["dir"], runs["dir"] / "ddp"))
@@ -196,13 +171,15 @@ def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
 CLIP = 1e-3
 
 
-def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs, initial_weights):
+def test_clip_grad_bounds_each_step(amp_run, initial_weights, tiny_data, bare, tmp_path):
     """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
-    clip, proc = CLIP, ddp_side_jobs["clipped"].get()
+    clip = CLIP
+    proc = ok(torchrun(2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--clip-grad", clip,
+                       "--output-dir", tmp_path / "clipped", cwd=bare))
     initial = initial_weights  # where the head starts
     moved = {}
-    for name, folder in (("clipped", ddp_side_jobs["dir"] / "clipped"), ("unclipped", amp_run["dir"])):
+    for name, folder in (("clipped", tmp_path / "clipped"), ("unclipped", amp_run["dir"])):
         state = load_model_state(folder / "last.pt")
         moved[name] = torch.cat([(state[k] - initial[k]).flatten() for k in ("fc.weight", "fc.bias")]).norm().item()
     # SGD with momentum 0.9 and weight decay 1e-4: each step moves the head by at most lr x 10 x (the clipped
@@ -211,16 +188,12 @@ def test_clip_grad_bounds_each_step(amp_run, ddp_side_jobs, initial_weights):
     assert moved["clipped"] <= bound < moved["unclipped"] / 10, (moved, bound)
 
 
-def test_two_nodes_match_one_node(ddp_side_jobs):
-    """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh (two_nodes)."""
-    ddp_side_jobs["nodes"].get()
-
-
-def two_nodes(runs, tiny_data, tmp_path, env):
-    env = dict(env, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
+def test_two_nodes_match_one_node(runs, tiny_data, tmp_path):
+    """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh."""
+    env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
     cmd = ["bash", "run.sh", "ddp", "1", *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir",
            tmp_path / "nodes"]
-    nodes = [popen(cmd, env=env, timeout=200) for _ in range(2)]
+    nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
     try:
         outputs = [finish(node, [], timeout=180) for node in nodes]
     finally:
@@ -243,19 +216,19 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     (data / "c1" / "0003.jpg").write_bytes(b"not an image at all")
     # A user's copy whose dataset returns dicts, and one whose model holds a layer that forward() never calls
     dicts, unused = (users_copy(tmp_path / name, code) for name, code in (("dicts", DICT_ITEMS), ("unused", UNUSED)))
-    # the jobs side by side: each fails within seconds, mostly starting up
-    dict_items, unused_layer, late, no_network, unreadable = side_by_side(
-        lambda: torchrun(dicts, 2, "train_ddp_torchrun.py", "--epochs", "1", "--output-dir", "out", timeout=120),
-        lambda: torchrun(unused, 2, "train_ddp_torchrun.py", "--epochs", "1", "-b", "8", "--output-dir", "out",
-                         timeout=120),
-        lambda: torchrun(bare, 2, late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data,
-                         extra=["--no-python", "bash"], timeout=120),
-        # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1
-        # waits
-        lambda: torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
-                         "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", timeout=120),
-        lambda: torchrun(bare, 2, "train_ddp_torchrun.py", *COMMON, "--data-path", data, "-b", "4",
-                         "--output-dir", tmp_path / "out", timeout=120))
+    # each job fails within seconds, mostly starting up
+    dict_items = torchrun(2, "train_ddp_torchrun.py", "--epochs", "1", "--output-dir", "out", cwd=dicts, timeout=120)
+    unused_layer = torchrun(2, "train_ddp_torchrun.py", "--epochs", "1", "-b", "8", "--output-dir", "out", cwd=unused,
+                            timeout=120)
+    late = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+                "bash", late_rank_0, "train_ddp_torchrun.py", "--epochs", "0", "--data-path", tiny_data], cwd=bare,
+               timeout=120)
+    # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1 waits
+    no_network = torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
+                          "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", cwd=bare,
+                          timeout=120)
+    unreadable = torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", data, "-b", "4", "--output-dir",
+                          tmp_path / "out", cwd=bare, timeout=120)
 
     assert late.returncode != 0
     errors = [line for line in (late.stdout + late.stderr).splitlines() if line.startswith("error:")]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, ahead_fixture, cpu_env, outcomes, run_job
+from conftest import cpu_env, run
 
 LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
 
@@ -21,27 +21,17 @@ LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
 def run_doctor(*args, env=None, timeout=120):
     """bash run.sh doctor *args from the repository root, with PYTHON=this interpreter; the CompletedProcess."""
     base = {k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return run_job(["bash", "run.sh", "doctor", *args], timeout=timeout,
-                   env={**base, "PYTHON": sys.executable, **(env or {})})
-
-
-@ahead_fixture
-def doctor_jobs(out):
-    """This module's three runs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): the full doctor, one
-    with its port taken, and gpucheck. {name: Outcome}."""
-    return outcomes(full=lambda: full_doctor(out / "doctor.json"), port_taken=lambda: port_taken(out / "port.json"),
-                    gpucheck=lambda: gpucheck_on_a_cpu(out / "report.txt"))
-
-
-def full_doctor(path):
-    result = run_doctor("--json", str(path))
-    assert path.exists(), f"no JSON written\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result, result.stdout.splitlines(), json.loads(path.read_text())
+    return run(["bash", "run.sh", "doctor", *args], timeout=timeout,
+               env={**base, "PYTHON": sys.executable, **(env or {})})
 
 
 @pytest.fixture(scope="module")
-def doctor_run(doctor_jobs):
-    return doctor_jobs["full"].get()
+def doctor_run(tmp_path_factory):
+    """The full doctor, all-reduce included: (the process, its lines, its JSON)."""
+    path = tmp_path_factory.mktemp("doctor") / "doctor.json"
+    result = run_doctor("--json", str(path))
+    assert path.exists(), f"no JSON written\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result, result.stdout.splitlines(), json.loads(path.read_text())
 
 
 def line_of(lines, pattern):
@@ -112,11 +102,8 @@ def test_gloo_allreduce_measures_latency_and_bandwidth(doctor_run):
     assert f"{check['latency_us']:.0f}" == match.group(1) and f"{check['busbw_gbps']:.2f}" == match.group(2)
 
 
-def test_a_port_in_use_fails_the_run(doctor_jobs):
-    doctor_jobs["port_taken"].get()
-
-
-def port_taken(path):
+def test_a_port_in_use_fails_the_run(tmp_path):
+    path = tmp_path / "port.json"
     with socket.socket() as held:  # bound and listening for the whole run, closed afterwards
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -135,8 +122,10 @@ def port_taken(path):
     assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
 
 
-def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(doctor_jobs, monkeypatch):
-    result, report = doctor_jobs["gpucheck"].get()
+def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
+    report = tmp_path / "report.txt"
+    result = run(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
+                 env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")})
     assert result.returncode == 0, result.stdout + result.stderr
     skipped = "CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine"
     assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
@@ -145,12 +134,6 @@ def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(
     assert "plan on one GPU, from guessed launch costs: tests/test_gpu.py " in result.stdout
     assert "(budget 420 s)" in result.stdout
     assert "what this proves: nothing about GPUs (no CUDA GPU here" in result.stdout  # said plainly
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpucheck  # on a GPU, what one GPU cannot prove is said too
     assert any("what one GPU cannot prove: NCCL between ranks" in line for line in
                gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)]))
-
-
-def gpucheck_on_a_cpu(report):
-    return run_job(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
-                   env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}), report

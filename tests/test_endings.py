@@ -5,17 +5,10 @@ resume from another rung's checkpoint, and the teardown of the FSDP process grou
 import shutil
 import sys
 
-import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, EXACT, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_same_weights,
-                      descendants, finish, free_port, job_env, load_model_state, ok, outcomes, popen, read_until,
-                      run_job, side_by_side, start)
-
-
-def torchrun(nproc, script, *args, launcher="torch.distributed.run", timeout=150):
-    return run_job([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script, *args],
-                   env=job_env(), timeout=timeout)
+from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
+                      finish, free_port, load_model_state, ok, read_until, run, start, start_sh, torchrun)
 
 
 def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp_path):
@@ -24,7 +17,7 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     every rank printed its line and then waited forever for its loader workers at exit."""
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
-    job, lines = start("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run"), []
+    job, lines = start_sh("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run"), []
     assert read_until(job, lines, "epoch 1/3  val loss"), "".join(lines)[-3000:]
     pids = descendants(job.pid)
     for folder in data.iterdir():
@@ -45,9 +38,9 @@ def test_an_error_after_the_loader_workers_started_leaves_no_process_once_torchr
     to 5 s, and whatever read its output waited for them)."""
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         "train_ddp_torchrun.py", *DEFAULTS, "--data-path", tiny_data, "--resume", bad,
-                        "--output-dir", tmp_path / "run"], env=job_env(), timeout=120), []
+                        "--output-dir", tmp_path / "run"], timeout=120), []
     try:
         job.wait(timeout=120)  # torchrun's own end, not its output's
         assert_job_gone(job.token, within=0)
@@ -63,13 +56,12 @@ def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_k
     train_ddp_launch.py on 3 processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold
     10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass
     while the others evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung,
-    which stops at its step count, resumed the same way (the two side by side)."""
+    which stops at its step count, resumed the same way."""
     args = [*EXACT, "--data-path", tiny_data]
     saved, checkpoint = ddp_killed
     launchers = {"launch": "torch.distributed.launch", "torchrun": "torch.distributed.run"}
-    resumed = dict(zip(launchers, side_by_side(*[
-        lambda name=name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved, "--output-dir",
-                                      tmp_path / name, launcher=launchers[name])) for name in launchers])))
+    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved, "--output-dir",
+                                 tmp_path / name, launcher=launcher)) for name, launcher in launchers.items()}
     steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
     for proc in resumed.values():
         steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/2  step ")]
@@ -103,21 +95,9 @@ def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fs
     assert [p.name for p in (tmp_path / "run").iterdir() if ".dcp" in p.name] == [checkpoint["optimizer"]]
 
 
-@ahead_fixture
-def endings_jobs(out, default_runs, tiny_data):
-    """The jobs of the tests below, two at a time (conftest.outcomes): {name: conftest.Outcome}."""
-    return outcomes(fresh_scaler=lambda: fresh_scaler(default_runs, tiny_data, out / "fresh_scaler"),
-                    cuda_1=lambda: device_cuda_1(tiny_data),
-                    **{case: lambda case=case: teardown(case) for case in TEARDOWN_CASES})
-
-
-def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(endings_jobs):
+def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(default_runs, tiny_data, tmp_path):
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler'."""
-    endings_jobs["fresh_scaler"].get()
-
-
-def fresh_scaler(default_runs, tiny_data, tmp_path):
     shutil.copytree(default_runs / "ddp", tmp_path / "run")
     proc = ok(torchrun(2, "train_ddp_amp.py", *DEFAULTS, *BF16, "--epochs", "3", "--workers", "0", "--data-path",
                        tiny_data, "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run",
@@ -127,12 +107,8 @@ def fresh_scaler(default_runs, tiny_data, tmp_path):
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 3
 
 
-def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(endings_jobs):
+def test_device_cuda_n_under_a_launcher_is_refused_before_any_gpu_is_touched(tiny_data):
     """--device cuda:1 under torchrun would open a context on GPU 1 in every rank and then be ignored: one line."""
-    endings_jobs["cuda_1"].get()
-
-
-def device_cuda_1(tiny_data):
     proc = torchrun(2, "train_ddp_torchrun.py", "--device", "cuda:1", "--data-path", tiny_data, timeout=90)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
@@ -146,29 +122,21 @@ sys.path.insert(0, sys.argv[1])
 import utils
 print("collector after importing utils:", "on" if gc.isenabled() else "off")
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-dist.init_process_group("gloo", rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-if sys.argv[2] == "renamed":  # a torch release without the private attribute
-    del mesh._pg_registry
-utils.destroy_process_group()
-print("initialized after:", dist.is_initialized())
+for case in ("as in torch 2.14", "renamed"):
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{sys.argv[2 + len(case) % 2]}")
+    mesh = init_device_mesh("cpu", (1,))
+    if case == "renamed":  # a torch release without the private attribute
+        del mesh._pg_registry
+    utils.destroy_process_group()
+    print(f"{case}: initialized after:", dist.is_initialized())
 """
 
 
-TEARDOWN_CASES = ["as in torch 2.14", "renamed"]
-
-
-@pytest.mark.parametrize("case", TEARDOWN_CASES)
-def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute(endings_jobs, case):
+def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute():
     """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
     torch release renames it, the exit must still end with the script's own status, not a traceback. (And importing
     utils, which imports torchvision with the garbage collector paused, leaves it as the program had it: off here.)"""
-    endings_jobs[case].get()
-
-
-def teardown(case):
-    env = dict(job_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = run_job([sys.executable, "-c", TEARDOWN, REPO, case], env=env, timeout=60)
-    assert proc.returncode == 0 and "initialized after: False" in proc.stdout, proc.stderr[-2000:]
-    assert "collector after importing utils: off" in proc.stdout, proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    proc = run([sys.executable, "-c", TEARDOWN, REPO, free_port(), free_port()], timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["collector after importing utils: off", "as in torch 2.14: initialized after: "
+                                        "False", "renamed: initialized after: False"], proc.stdout

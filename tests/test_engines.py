@@ -17,8 +17,8 @@ import time
 import pytest
 
 from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, job_env,
-                      load_model_state, popen, ranks, run_job)
-from test_hosts import in_host, run_nodes, veth_pair
+                      load_model_state, ranks, run, run_together, start)
+from test_hosts import in_host, veth_pair
 from test_scale import end_all, read_lines
 
 # A collective stuck between the pods ends within 60 s with a line that names it
@@ -107,14 +107,14 @@ def test_each_engine_started_its_way_trains_as_one_machine_does(engine, pods, de
     loader workers a user gets, in a pod's 64 MB /dev/shm (their batches fit)."""
     commands = [pod(pods, which, hostname, env, [*launcher, *train(tmp_path, tiny_data)])
                 for which, (hostname, env, launcher) in zip("ab", ENGINES[engine])]
-    results = run_nodes(commands, job_env(), tmp_path, timeout=240)
-    assert [code for code, *_ in results] == [0, 0], results
-    output = results[0][1] + results[1][1]
+    results = run_together(commands, timeout=240)
+    assert [node.returncode for node in results] == [0, 0], results
+    output = results[0].stdout + results[1].stdout
     assert output.count("global batch 16 = 8 per process x 2 processes") == 1, output
-    assert not any("Traceback" in err or "error:" in err for _, _, err, _ in results), results
+    assert not any("Traceback" in node.stderr or "error:" in node.stderr for node in results), results
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
-    print(f"{engine}: {max(seconds for *_, seconds in results):.1f} s")
+    print(f"{engine}: {max(node.seconds for node in results):.1f} s")
 
 
 def test_pytorchjob_python_refuses_several_processes_per_pod_and_a_master_that_never_answers(pods, tiny_data,
@@ -124,16 +124,16 @@ def test_pytorchjob_python_refuses_several_processes_per_pod_and_a_master_that_n
     --dist-timeout."""
     command = [sys.executable, SCRIPT, *DEFAULTS, "--dist-timeout", "5", "--data-path", tiny_data, "--output-dir",
                tmp_path / "run"]
-    several, silent = run_nodes([pod(pods, "b", "resnet-worker-0", pytorchjob_env("worker", 0, nproc), command)
-                                 for nproc in ("8", "auto")], job_env(), tmp_path, timeout=120)
-    for (code, out, err, seconds), expected in [
+    several, silent = run_together([pod(pods, "b", "resnet-worker-0", pytorchjob_env("worker", 0, nproc), command)
+                                    for nproc in ("8", "auto")], timeout=120)
+    for node, expected in [
             (several, "error: WORLD_SIZE 16 for 2 pods, but python starts one process per pod: start the pod's "
                          "command with torchrun (it reads PET_*)"),
             (silent, "error: rank 1 cannot reach MASTER_ADDR:MASTER_PORT resnet-master-0:23456 within "
                         "--dist-timeout 5 s (Connection refused): check both, and that rank 0 (the master pod, the "
                         "first task) runs")]:
-        assert code == 1 and err.strip() == expected and out == "", (code, out, err)
-        assert seconds < 5 + 40, seconds  # torch's import comes first
+        assert node.returncode == 1 and node.stderr.strip() == expected and node.stdout == "", node
+        assert node.seconds < 5 + 40, node.seconds  # torch's import comes first
     assert not (tmp_path / "run").exists()
 
 
@@ -144,7 +144,7 @@ def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(p
     failure), pod a's its own (a membership change), they meet again and resume from the last checkpoint, and the
     job ends with the uninterrupted weights."""
     command = [*TORCHRUN, *train(tmp_path, tiny_data, "--save-every", "1")]
-    jobs = [popen(pod(pods, which, f"resnet-elastic-worker-{n}", elastic_env(), command), timeout=300,
+    jobs = [start(pod(pods, which, f"resnet-elastic-worker-{n}", elastic_env(), command), timeout=300,
                   env={**job_env(), "LOGLEVEL": "INFO"}) for n, which in enumerate("ab")]
     outputs = [[], []]
     readers = [read_lines(job, out) for job, out in zip(jobs, outputs)]
@@ -191,7 +191,7 @@ def test_a_64_mb_dev_shm_too_small_for_the_loader_workers_is_refused_in_one_line
     its first batches with tracebacks of 100 lines (`unable to allocate shared memory`); now one line says what to
     mount, and the --workers that fits, before any batch is read. (The defaults fit: the engine tests above.)"""
     started = time.time()
-    big = run_job(in_small_shm(["bash", "run.sh", "ddp", 2, "--data-path", tiny_data, "--epochs", "1", "-j", "2",
+    big = run(in_small_shm(["bash", "run.sh", "ddp", 2, "--data-path", tiny_data, "--epochs", "1", "-j", "2",
                                 "-b", "4", "--img-size", "720", "--val-fraction", "0.25", "--output-dir",
                                 tmp_path / "big"]), env=job_env(), timeout=240)
     errors = [line for line in big.stderr.splitlines() if line.startswith("error:")]
@@ -208,7 +208,7 @@ def test_doctor_names_the_engine_and_the_pods_dev_shm(small_shm):
     """In a pod of an elastic PyTorchJob whose manifest forgot the store variable, with a 64 MB /dev/shm."""
     env = {k: v for k, v in {**job_env(), **elastic_env(), "KUBERNETES_SERVICE_HOST": "10.96.0.1"}.items()
            if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "MASTER_PORT")}
-    result = run_job(in_small_shm(["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
+    result = run(in_small_shm(["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
     lines = result.stdout.splitlines()
     assert result.returncode == 1, result.stdout + result.stderr  # the missing variable is a failed check
     assert ("fail  engine: Kubeflow PyTorchJob, elastic (c10d rendezvous at resnet-elastic-worker-0:23456, "

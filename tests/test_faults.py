@@ -15,40 +15,18 @@ import time
 import pytest
 import torch
 
-from conftest import (DEFAULTS, FAST, REPO, assert_job_gone, cpu_env, finish, free_port, job_env, outcomes, popen,
-                      ranks, read_until, run_job, run_sh, start)
+from conftest import (DEFAULTS, FAST, REPO, assert_job_gone, finish, free_port, job_env, ranks, read_until,
+                      run_sh, start, start_sh, torchrun)
 
 
-def env_1_thread(**extra):
-    return cpu_env(OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
-
-
-@pytest.fixture(scope="module")
-def jobs(tiny_data, fsdp_references, tmp_path_factory):
-    """This module's jobs side by side, each with its own checks: three that mostly wait (for RDZV_TIMEOUT, for
-    --dist-timeout twice) beside the others. {name: conftest.Outcome}; each test gets its own."""
-    out = tmp_path_factory.mktemp("faults")
-    return outcomes(at_once=3, frozen=lambda: frozen_rank(tiny_data, out / "frozen"), never_arrives=never_arrives,
-                    dist_timeout=lambda: dist_timeout(tiny_data, out / "dist_timeout"),
-                    profile=lambda: profile(tiny_data, out / "profile"),
-                    crafted=lambda: crafted_shards(tiny_data, out / "crafted"),
-                    truncated=lambda: truncated_last_pt(fsdp_references["bn"], tiny_data, out / "truncated"))
-
-
-def test_profile_writes_a_trace_and_counts_the_syncs_per_step(jobs):
+def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_path):
     """torchrun rung, 2 processes x batch 1 (25 steps an epoch), the default --print-freq 10, steps 4-13 profiled: the
     host reads a device value only at step 10, for the progress line's loss. The ranks' stop vote, before every step,
     is an all-reduce of a CPU tensor (on a GPU too): no device to wait for, and counted apart from the training's
     collectives. The count comes from tools/profile_report.py, reading the trace the script wrote."""
-    jobs["profile"].get()
-
-
-def profile(tiny_data, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "train_ddp_torchrun.py", "--img-size", "32", "-b", "1", "--epochs", "1", "--workers", "0",
-                           "--freeze", "--data-path", str(tiny_data), "--val-fraction", "0.25", "--profile", "10",
-                           "--output-dir", str(tmp_path / "run")], cwd=REPO, env=env_1_thread(), capture_output=True,
-                          text=True, timeout=120)
+    proc = torchrun(2, "train_ddp_torchrun.py", "--img-size", "32", "-b", "1", "--epochs", "1", "--workers", "0",
+                    "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25", "--profile", "10", "--output-dir",
+                    tmp_path / "run", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     trace = tmp_path / "run" / "trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
@@ -84,9 +62,8 @@ def small_disk(tmp_path):
 
 def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data, small_disk):
     started = time.time()
-    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25",
-                    "--save-every", "1", "--output-dir", small_disk / "run"], env=env_1_thread(), timeout=120)
+    proc = torchrun(2, "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25",
+                    "--save-every", "1", "--output-dir", small_disk / "run", timeout=120)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "last.pt" in errors[0], proc.stderr[-3000:]
@@ -96,37 +73,27 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
     assert sorted(p.name for p in (small_disk / "run").glob(".*tmp")) == []
 
 
-def test_a_node_that_never_arrives_ends_with_one_line(jobs):
-    jobs["never_arrives"].get()
-
-
-def never_arrives():
+def test_a_node_that_never_arrives_ends_with_one_line():
     started = time.time()
-    proc = run_job(["bash", "run.sh", "ddp", "1", "--epochs", "1"], timeout=90,
-                   env=env_1_thread(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                                    RDZV_TIMEOUT="5"))
+    proc = run_sh("ddp", "1", "--epochs", "1", timeout=90,
+                  env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_TIMEOUT="5"))
     assert proc.returncode != 0
     assert "run.sh: not all 2 nodes joined" in proc.stderr and "RDZV_TIMEOUT" in proc.stderr
     assert time.time() - started < 60
 
 
-def test_dist_timeout_ends_a_job_whose_peer_never_comes(jobs):
+def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
     """Local rank 1 never starts its script (it hangs before, here in a sleep): rank 0 waits for it at the process
     group's start for --dist-timeout seconds, not for the default 300, then fails; the launcher ends the sleeper,
     and no process of the job is left."""
-    jobs["dist_timeout"].get()
-
-
-def dist_timeout(tiny_data, tmp_path):
-    tmp_path.mkdir()
     dist_timeout = 10
     hanging_peer = tmp_path / "hanging_peer.sh"
     hanging_peer.write_text(f'[ "$LOCAL_RANK" = 1 ] && exec sleep 600\nexec {sys.executable} "$@"\n')
     started = time.time()
-    job = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+    job = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
                  "bash", hanging_peer, "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data,
                  "--val-fraction", "0.25", "--dist-timeout", dist_timeout, "--output-dir", tmp_path / "run"],
-                env=env_1_thread(), timeout=200)
+                timeout=200)
     output = finish(job, [], timeout=150)  # well before the default 300 s
     took = time.time() - started
     assert job.returncode != 0, output[-3000:]
@@ -143,22 +110,18 @@ def test_a_taken_master_port_is_refused_with_its_number():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = run_job(["bash", "run.sh", "ddp", "1"], timeout=60,
-                       env=env_1_thread(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        proc = run_sh("ddp", "1", timeout=60,
+                      env=job_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
     assert proc.returncode == 2
     assert f"MASTER_PORT {port} is already in use" in proc.stderr
 
 
-def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(jobs):
+def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, tmp_path):
     """Rank 1 stopped (SIGSTOP: a hung NFS read, a stuck driver) with --dist-timeout 10: rank 0's all-reduce times out
     (gloo's RuntimeError, not a DistError) and says so in one line; the launcher then ends the frozen rank after
     its grace period (30 s), and its report stays in run.sh's log."""
-    jobs["frozen"].get()
-
-
-def frozen_rank(tiny_data, folder):
-    job, lines, frozen = start("ddp", 2, *DEFAULTS, "-b", "2", "--data-path", tiny_data, "--dist-timeout", 10,
-                               "--output-dir", folder / "run"), [], None
+    job, lines, frozen = start_sh("ddp", 2, *DEFAULTS, "-b", "2", "--data-path", tiny_data, "--dist-timeout", 10,
+                                  "--output-dir", tmp_path / "run"), [], None
     if read_until(job, lines, "epoch 1/2  step 2/12"):
         os.kill(ranks(job)[1], signal.SIGSTOP)
         frozen = time.time()
@@ -181,38 +144,31 @@ class RunsCode:
         return (os.mkdir, (str(self.marker),))
 
 
-def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(jobs):
+def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(tiny_data, tmp_path):
     """A run folder whose last.pt is harmless (it loads with weights_only) but names a shard folder whose .metadata
     is a pickle that runs code (torch's reader uses pickle.load): bash run.sh fsdp 2 --resume auto refuses it in one
     line, and the code never runs."""
-    jobs["crafted"].get()
-
-
-def crafted_shards(tiny_data, folder):
-    run, marker = folder / "run", folder / "code-ran"
-    (run / "last-step1-1.dcp").mkdir(parents=True)
-    (run / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    torch.save({"model": {}, "optimizer": "last-step1-1.dcp", "args": {"model": "resnet18"}, "classes": ["c0", "c1", "c2"],
-                "epoch": 0, "samples": 16, "global_batch": 16, "best_acc": -1.0}, run / "last.pt")
-    proc = run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", run, "--resume", "auto")
+    folder, marker = tmp_path / "run", tmp_path / "code-ran"
+    (folder / "last-step1-1.dcp").mkdir(parents=True)
+    (folder / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    torch.save({"model": {}, "optimizer": "last-step1-1.dcp", "args": {"model": "resnet18"}, "epoch": 0,
+                "classes": ["c0", "c1", "c2"], "samples": 16, "global_batch": 16, "best_acc": -1.0}, folder / "last.pt")
+    proc = run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder, "--resume", "auto")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
     assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in errors[0], errors
     assert "Traceback" not in proc.stderr and not marker.exists()
 
 
-def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_intact_best_pt(jobs):
-    jobs["truncated"].get()
-
-
-def truncated_last_pt(fsdp_run, tiny_data, folder):
+def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_intact_best_pt(fsdp_references,
+                                                                                               tiny_data, tmp_path):
     """An FSDP run's folder (bash run.sh fsdp 2, finished), its last.pt cut to half as a copy cut short leaves it:
     --resume auto by the FSDP rung and by the torchrun rung (which needs no shards) each end in one line."""
     for mode in ("fsdp", "ddp"):
-        shutil.copytree(fsdp_run, folder / mode)
-        last = folder / mode / "last.pt"
+        shutil.copytree(fsdp_references["bn"], tmp_path / mode)
+        last = tmp_path / mode / "last.pt"
         last.write_bytes(last.read_bytes()[:last.stat().st_size // 2])
-        proc = run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / mode, "--resume", "auto")
+        proc = run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / mode, "--resume", "auto")
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 1 and len(errors) == 1, (mode, proc.stderr[-3000:])
         assert errors[0] == (f"error: --resume {last}: not a readable checkpoint, perhaps cut short (PytorchStreamReader "

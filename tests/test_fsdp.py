@@ -13,18 +13,17 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, EXACT, REPO, ahead_fixture, assert_resumed_after, assert_same_weights, checkpoint_step,
-                      collectives_per_step, copy_while_paused, deliver, finish, job_env, load_model_state, ok, outcomes, popen,
-                      read_until, run_job, run_sh, side_by_side, start)
+from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step,
+                      collectives_per_step, copy_while_paused, deliver, finish, load_model_state, ok, read_until, run_sh,
+                      start, start_sh, torchrun)
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py
 COMMON = EXACT
 
 
-def torchrun(cwd, nproc, *args, extra=(), timeout=150):
-    return run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra,
-                    "train_fsdp.py", *args], cwd=cwd, env=job_env(), timeout=timeout)
+def fsdp(cwd, nproc, *args, timeout=150):
+    return torchrun(nproc, "train_fsdp.py", *args, cwd=cwd, timeout=timeout)
 
 
 def results(folder):
@@ -47,8 +46,8 @@ def runs(references, exact_single):
 @pytest.mark.quick
 def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     out = runs["dir"]
-    assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"].stdout
-    assert runs["fsdp"].stdout.count("epoch 2/2  step 3/3") == 1  # only global rank 0 prints
+    assert "global batch 16 = 8 per process x 2 processes" in runs["fsdp"]
+    assert runs["fsdp"].count("epoch 2/2  step 3/3") == 1  # only global rank 0 prints
     single = runs["single"]
     assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(single / "last.pt"), atol=TOL)
     assert results(out / "fsdp")["final_acc"] == pytest.approx(results(single)["final_acc"])
@@ -68,8 +67,8 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
     statistics never change); at 1 and 3 (batch 4: 2, 2 and 2 batches of 6, 6 and 5), --test-only of its last.pt."""
     common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
               "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
-    side_by_side(*[lambda nproc=nproc: ok(torchrun(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
-                   for nproc in (1, 3)])
+    for nproc in (1, 3):
+        ok(fsdp(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
     evaluated = {nproc: results(tmp_path / str(nproc)) for nproc in (1, 3)}
     trained = results(runs["dir"] / "fsdp")
     for nproc, figures in evaluated.items():
@@ -79,32 +78,24 @@ def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path)
         assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
 
 
-@ahead_fixture
-def fsdp_short_jobs(out, exact_single, tiny_data, bare):
-    """The next two tests' jobs, side by side, made ahead (conftest.Ahead): {name: conftest.Outcome of the job}."""
-    return outcomes(
-        another=lambda: torchrun(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", exact_single / "last.pt",
-                                 "--output-dir", out / "another"),
-        **{name: lambda batch=batch, accum=accum, name=name: ok(torchrun(
-            bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum, "--print-freq", "10",
-            "--profile", "2", "--output-dir", out / name)) and out / name
-           for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2))})
-
-
-def test_resume_from_another_scripts_checkpoint_says_what_to_use(fsdp_short_jobs):
+def test_resume_from_another_scripts_checkpoint_says_what_to_use(exact_single, tiny_data, bare, tmp_path):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = fsdp_short_jobs["another"].get()
+    proc = fsdp(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", exact_single / "last.pt", "--output-dir",
+                tmp_path / "another")
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
     assert proc.stderr.count("Traceback") == 1  # torchrun's own report of the failed worker, none from the worker
 
 
-def test_accumulation_reduce_scatters_on_the_last_micro_step_only(fsdp_short_jobs):
+def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bare, tmp_path):
     """2 x batch 2 x 2 micro-steps == 2 x batch 4: the same weights, and as many reduce-scatters per optimizer step,
     not twice as many; with --freeze only the root module (the head) has gradients: one a step. Counted from the
     trace by tools/profile_report.py (see test_ddp.py's accumulation test); the all-gathers double (two forwards)."""
-    plain_dir, accum_dir = fsdp_short_jobs["plain"].get(), fsdp_short_jobs["accum"].get()
+    plain_dir, accum_dir = tmp_path / "plain", tmp_path / "accum"
+    for folder, batch, accum in ((plain_dir, 4, 1), (accum_dir, 2, 2)):
+        ok(fsdp(bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum, "--print-freq", "10",
+                "--profile", "2", "--output-dir", folder))
     assert_same_weights(load_model_state(accum_dir / "last.pt"), load_model_state(plain_dir / "last.pt"), atol=TOL)
     plain, accum = (collectives_per_step(folder / "trace.json") for folder in (plain_dir, accum_dir))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
@@ -120,25 +111,13 @@ def test_a_killed_run_resumed_at_its_world_size_ends_bitwise_equal(runs, fsdp_ki
     killed, checkpoint = fsdp_killed
     assert (killed / checkpoint["optimizer"] / ".metadata").is_file()
     shutil.copytree(killed, tmp_path / "saved")
-    again = ok(torchrun(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
+    again = ok(fsdp(bare, 2, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "again"))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "again" / "last.pt"),
                         load_model_state(runs["dir"] / "fsdp" / "last.pt"))
 
 
-@ahead_fixture
-def fsdp_interrupted(out, fsdp_references, tiny_data, bare):
-    """The next test's elastic restart and the SIGTERM test's job side by side, each killed or stopped by its own
-    events, made ahead (conftest.Ahead): {name: conftest.Outcome}."""
-    return outcomes(elastic=lambda: elastic_restart(fsdp_references, tiny_data, bare, out / "elastic"),
-                    sigterm=lambda: sigterm_and_resume(fsdp_references["bn"], tiny_data, out / "sigterm"))
-
-
-def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(fsdp_interrupted):
-    fsdp_interrupted["elastic"].get()
-
-
-def elastic_restart(runs, tiny_data, bare, tmp_path):
+def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_data, bare, tmp_path):
     args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
     stdout, code, killed = run_and_kill_one_worker(bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3",
                                                    victim=-1)
@@ -159,36 +138,20 @@ def trained_bn(references):
     return references["bn"]
 
 
-@ahead_fixture
-def fsdp_bn_jobs(out, fsdp_references, tiny_data):
-    """Two tests' jobs side by side, made ahead (conftest.Ahead): --test-only of trained_bn's last.pt at 2 processes,
-    and one epoch of BatchNorm training at 3. {name: conftest.Outcome of its output folder}."""
-    trained_bn = fsdp_references["bn"]
-    return outcomes(
-        evaluated=lambda: ok(torchrun(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path",
-                                      tiny_data, "--img-size", "32", "--val-fraction", "0.25", "--output-dir",
-                                      out / "eval")) and out / "eval",
-        three=lambda: ok(torchrun(REPO, 3, "--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0",
-                                  "--print-freq", "1", "--val-fraction", "0.25", "--data-path", tiny_data,
-                                  "--output-dir", out / "3")) and out / "3")
-
-
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, fsdp_bn_jobs):
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):
     """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
     the logged figure is what --test-only measures on last.pt."""
-    logged, evaluated = results(trained_bn), results(fsdp_bn_jobs["evaluated"].get())
+    ok(fsdp(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size", "32",
+            "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
+    logged, evaluated = results(trained_bn), results(tmp_path / "eval")
     assert evaluated["val_count"] == logged["val_count"] == 17
     assert evaluated["val_acc"] == logged["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
 
 
-def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(fsdp_interrupted):
-    fsdp_interrupted["sigterm"].get()
-
-
-def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
+def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):
     args = ["fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
-    job, lines = start(*args), []
+    job, lines = start_sh(*args), []
     if read_until(job, lines, "epoch 1/2  step 1/3"):
         deliver(job, "agent", signal.SIGTERM)
     output = finish(job, lines, timeout=60)
@@ -201,11 +164,13 @@ def sigterm_and_resume(trained_bn, tiny_data, tmp_path):
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(trained_bn / "last.pt"))
 
 
-def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, fsdp_bn_jobs):
+def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data, tmp_path):
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
     (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3
-    (bn_jobs), against the whole model's float32 bytes."""
-    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(fsdp_bn_jobs["three"].get())["bytes_per_rank"]}
+    (one epoch here), against the whole model's float32 bytes."""
+    ok(fsdp(REPO, 3, "--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1",
+            "--val-fraction", "0.25", "--data-path", tiny_data, "--output-dir", tmp_path / "3"))
+    per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(tmp_path / "3")["bytes_per_rank"]}
     size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
     whole = {"params": size, "grads": size, "optimizer": size}
     for nproc, figures in per_rank.items():
@@ -218,17 +183,10 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, fsdp_bn_j
 
 
 # --------------------------------------------------------------------------- mixed precision, ZeRO-2, HSDP, clipping
-@ahead_fixture
-def fsdp_option_jobs(out, tiny_data):
-    """The small jobs of the next tests, side by side, made ahead (conftest.Ahead): bf16 in a copy with a dtype hook,
-    ZeRO-3 and ZeRO-2 profiled, and clipping in one process. {name: Outcome}; each job's folder is out / name."""
-    zero = [*DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path", tiny_data]
-    return {"dir": out, **outcomes(
-        bf16=lambda: bf16_with_a_dtype_hook(tiny_data, out),
-        zero3=lambda: ok(torchrun(REPO, 2, *zero, "--reshard-after-forward", "--output-dir", out / "zero3")),
-        zero2=lambda: ok(torchrun(REPO, 2, *zero, "--no-reshard-after-forward", "--output-dir", out / "zero2")),
-        clip_one=lambda: ok(torchrun(REPO, 1, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", "16",
-                                     "--output-dir", out / "clip_one")))}
+def zero(stage, tiny_data, folder):
+    """ZeRO-3 or -2, profiled: BatchNorm training, batch 4, steps 4 and 5 of 6 in the trace."""
+    ok(fsdp(REPO, 2, *DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path",
+            tiny_data, {3: "--reshard-after-forward", 2: "--no-reshard-after-forward"}[stage], "--output-dir", folder))
 
 
 def bf16_with_a_dtype_hook(tiny_data, out):
@@ -248,34 +206,33 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     anchor = "    fully_shard(model, mesh=mesh, mp_policy=policy)\n"
     assert text.count(anchor) == 1
     (copy / "train_fsdp.py").write_text(text.replace(anchor, anchor + hook))
-    proc = ok(run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                       "train_fsdp.py", *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--output-dir",
-                       out / "bf16"], cwd=copy, env=job_env(), timeout=150))
+    proc = ok(fsdp(copy, 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--output-dir", out / "bf16"))
     return eval(next(line for line in proc.stdout.splitlines() if line.startswith("dtypes "))[7:])
 
 
-def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, fsdp_option_jobs):
+def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, tiny_data, tmp_path):
     """--amp-dtype bf16 (FSDP's MixedPrecisionPolicy), BatchNorm training, default workers: a hook in a copy of the
     script sees every BatchNorm take fp32 inputs with fp32 weights and hand bf16 to the next layer, while the
     convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
-    seen = fsdp_option_jobs["bf16"].get()
+    seen = bf16_with_a_dtype_hook(tiny_data, tmp_path)
     assert {d[1:] for d in seen if d[0].endswith("BatchNorm2d")} == {  # (FSDPBatchNorm2d once sharded on its own)
         ("torch.float32", "torch.float32", "torch.bfloat16")}, seen
     assert {d[1:3] for d in seen if d[0] == "Conv2d"} == {("torch.bfloat16", "torch.bfloat16")}, seen
-    out = fsdp_option_jobs["dir"]
+    out = tmp_path
     state = load_model_state(out / "bf16" / "last.pt")
     assert state["bn1.weight"].dtype == state["bn1.running_var"].dtype == torch.float32
     bf16, amp = results(out / "bf16"), results(default_runs / "amp")
     assert bf16["best_acc"] > 0.5 and amp["best_acc"] > 0.5, (bf16, amp)  # chance: 6 of 17
 
 
-def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(fsdp_option_jobs):
+def test_zero2_and_zero3_end_equal_with_the_all_gathers_the_docs_say(tiny_data, tmp_path):
     """ZeRO-3 (the default) gathers each residual block's weights for its forward and again for its backward: 8
     blocks x 2 + the root's once (the root is not resharded) = 17 all-gathers a step; ZeRO-2
     (--no-reshard-after-forward) keeps them gathered: 9. The same arithmetic, so bitwise the same weights. BatchNorm
     training (every block has gradients), 6 steps an epoch, steps 4 and 5 profiled."""
-    fsdp_option_jobs["zero3"].get(), fsdp_option_jobs["zero2"].get()
-    out = fsdp_option_jobs["dir"]
+    out = tmp_path
+    zero(3, tiny_data, out / "zero3")
+    zero(2, tiny_data, out / "zero2")
     counts = {name: collectives_per_step(out / name / "trace.json") for name in ("zero3", "zero2")}
     assert counts["zero3"]["allgather"] == 17 and counts["zero2"]["allgather"] == 9, counts
     assert counts["zero3"]["reduce_scatter"] == counts["zero2"]["reduce_scatter"] == 9, counts
@@ -290,9 +247,9 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     same run is the uninterrupted one), continues at HSDP 2 x 2 to the run's own weights bit for bit, and at FSDP 3
     from the same sample, with the LR of its global batch."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4", "--save-every", "1"]
-    job, lines = popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         "train_fsdp.py", *args, "--hsdp", "2", "--output-dir", tmp_path / "whole"], cwd=bare,
-                       env=job_env(), timeout=200), []
+                       timeout=200), []
     paused = read_until(job, lines, "epoch 2/2  step 1/3")  # step 3 saved by now, step 4 perhaps
     if paused:
         checkpoint = copy_while_paused(job, tmp_path / "whole", tmp_path / "copied")
@@ -307,14 +264,14 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
         assert_same_weights(whole, load_model_state(reference / "last.pt"), atol=TOL)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
     shutil.copytree(tmp_path / "copied", tmp_path / "saved")
-    again = ok(torchrun(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "copied",
-                        timeout=200))
+    again = ok(fsdp(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "copied",
+                    timeout=200))
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "copied" / "last.pt"), whole)
     # at FSDP 3 x 4 (the 2-D mesh's shards redistributed over a 1-D one): the same sample, with the LR of global
     # batch 12 at this step of the new run's schedule (4 steps an epoch)
-    three = ok(torchrun(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir",
-                        tmp_path / "three", timeout=200))
+    three = ok(fsdp(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "three",
+                    timeout=200))
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
     assert "lr 0.1 x 12/256 = 0.0046875" in three.stdout
     # 0 samples of epoch 2 done leave its 4 steps of 12, 16 leave 2 (its steps 3 and 4)
@@ -325,16 +282,15 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     assert float(first.split("lr ")[1].split()[0]) == pytest.approx(expected, abs=1e-5), first
 
 
-def test_clip_grad_clips_the_global_norm_of_the_shards(runs, fsdp_option_jobs, tiny_data, bare, tmp_path):
+def test_clip_grad_clips_the_global_norm_of_the_shards(runs, tiny_data, bare, tmp_path):
     """--clip-grad on the DTensor gradients: 4 x batch 4 (each rank another shard of the head; the 3-class head has
     no row for the fourth rank: an empty shard, as 8 GPUs give a 7-class head) and 1 x batch 16 (the whole head on
-    one rank; fsdp_option_jobs) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and
+    one rank) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and
     away from the unclipped 2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
-    ok(torchrun(bare, 4, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", "4", "--output-dir",
-                tmp_path / "four", timeout=200))
-    fsdp_option_jobs["clip_one"].get()
-    one, four = (load_model_state(folder / "last.pt") for folder in (fsdp_option_jobs["dir"] / "clip_one",
-                                                                     tmp_path / "four"))
+    for nproc, batch, name in ((4, "4", "four"), (1, "16", "one")):
+        ok(fsdp(bare, nproc, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", batch, "--output-dir",
+                tmp_path / name, timeout=200))
+    one, four = (load_model_state(tmp_path / name / "last.pt") for name in ("one", "four"))
     assert_same_weights(one, four, atol=TOL)
     free = load_model_state(runs["dir"] / "fsdp" / "last.pt")
     assert (four["fc.weight"] - free["fc.weight"]).abs().max() > 100 * TOL

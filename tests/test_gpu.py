@@ -24,7 +24,7 @@ import torchvision
 import builtin
 import utils
 from conftest import (DEFAULTS, FP16_CLIP, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
-                      finish, gpu_env, load_model_state, ok, read_until, run_sh, start)
+                      finish, gpu_env, load_model_state, ok, read_until, run_sh, start_sh)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bash run.sh gpucheck runs these on a GPU machine)")
@@ -175,7 +175,7 @@ def test_a_checkpoint_moves_between_gpu_and_cpu(tiny_data, tmp_path, first, then
 def test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run(tiny_data, tmp_path):
     """ddp 1 with nccl, --save-every 1, SIGKILLed (every process) at step 3 of 6, resumed with --resume auto."""
     check_run(run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "whole"), env=env()), tmp_path / "whole")
-    job, lines = start("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1"), env=env()), []
+    job, lines = start_sh("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1"), env=env()), []
     if read_until(job, lines, "epoch 1/2  step 3/6"):  # steps 1 and 2 are saved by now, step 3 may be too
         deliver(job, "every process", signal.SIGKILL)
     finish(job, lines, timeout=60)

@@ -9,13 +9,11 @@ import pytest
 import torch
 
 import utils
-from conftest import (DEFAULTS, FP16_CLIP, REPO, ahead_fixture, job_env, load_model_state, ok, outcomes, run_job,
-                      run_sh)
+from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run, run_sh
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
 
-@pytest.mark.alone  # it changes this process's environment, which a run made ahead would inherit
 def test_default_loader_workers_follow_the_cores(monkeypatch):
     """With a GPU: the cores per process on this node, less the one that trains; on a CPU: 1 (the training
     threads use the cores; docs/performance.md)."""
@@ -61,28 +59,16 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     assert loaded["nested"][0][1]["x"].device.type == "cpu" and torch.equal(loaded["rng"], state["rng"])
 
 
-@ahead_fixture
-def hardware_jobs(out, tiny_data):
-    """The next two tests' jobs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): the amp rung and the
-    doctor on an emulated CPU without bf16 kernels and on this one, and the clipped bf16 run. {name: Outcome}."""
-    args = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data]
-    check = [sys.executable, "tools/doctor.py", "--no-allreduce"]
-    return {"dir": out, **outcomes(
-        refused=lambda: run_sh("amp", 1, *args, "--output-dir", out / "refused", env=job_env(**AVX2_ONLY)),
-        asked=lambda: run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", out / "asked",
-                             env=job_env(**AVX2_ONLY)),
-        doctor=lambda: run_job(check, env=job_env(**AVX2_ONLY), timeout=120),
-        native=lambda: run_job(check, env=job_env(), timeout=120),
-        clipped=lambda: ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad",
-                                  FP16_CLIP, "--output-dir", out / "clipped")))}
-
-
-def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(hardware_jobs):
+def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
     """On a CPU whose oneDNN has no bf16 kernels (emulated here with ONEDNN_MAX_CPU_ISA=AVX2, where bf16 autocast
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
-    refused, asked, doctor, native = (hardware_jobs[name].get() for name in ("refused", "asked", "doctor", "native"))
-    out = hardware_jobs["dir"]
+    args, out = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data], tmp_path
+    check = ["tools/doctor.py", "--no-allreduce"]
+    refused = run_sh("amp", 1, *args, "--output-dir", out / "refused", env=job_env(**AVX2_ONLY))
+    asked = run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", out / "asked", env=job_env(**AVX2_ONLY))
+    doctor = run([sys.executable, *check], env=job_env(**AVX2_ONLY), timeout=120)
+    native = run([sys.executable, *check], timeout=120)
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
@@ -96,11 +82,12 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(hardware_jobs):
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
 
 
-def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, hardware_jobs):
+def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, tiny_data, tmp_path):
     """tests/test_gpu.py's fp16 run clips at FP16_CLIP: the same run in bf16 on the CPU learns (better than the 6 of
     17 that guessing one class scores) and ends elsewhere than the unclipped run, so the clip did act."""
-    hardware_jobs["clipped"].get()
-    out = hardware_jobs["dir"] / "clipped"
+    out = tmp_path / "clipped"
+    ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad", FP16_CLIP,
+              "--output-dir", out))
     assert json.loads((out / "results.json").read_text())["best_acc"] > 0.5
     clipped, free = load_model_state(out / "last.pt"), load_model_state(default_runs / "amp" / "last.pt")
     assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())
@@ -109,7 +96,6 @@ def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, hardwar
 def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
     """Every GPU test is counted in tests/test_gpu.py's LAUNCHES, and the plan's limit for them grows with the
     measured cost of a launch; on one GPU as on eight the guessed costs leave the bench rows their first 90 s."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
     import ast
     import gpucheck
     tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
@@ -123,11 +109,9 @@ def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
     assert slow - quick == pytest.approx(5 * runs, abs=1)
 
 
-@pytest.mark.alone  # it changes this process's environment, which a run made ahead would inherit
 def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsys, tmp_path):
     """An NVIDIA device on the machine (here: a stand-in nvidia-smi) and a torch that cannot use CUDA (a wheel built
     for a newer driver): one error line and exit status 1, not "skipped"."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpucheck
     monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI 535.00'\n")
@@ -145,7 +129,6 @@ def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsy
 def test_bench_exits_with_status_1_when_a_gpu_row_crashes(monkeypatch, tmp_path):
     """A GPU row that crashes (a non-zero exit) is listed as crashed and fails the bench; one that does not fit its
     time is only skipped. Here the GPU rows' children are stand-ins."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
     import bench
 
     def child(opts, what, threads, *args, timeout=None):

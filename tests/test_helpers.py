@@ -2,25 +2,21 @@
 checks, a dataset's items, normalisation, checkpoint files, the sharded reader, the run folder's lock, the lines
 that known failures end with). The scripts reach each of these by the same call; the jobs of the other modules show
 that they do."""
-import io
 import os
 import pickle
 import shutil
 import signal
 import subprocess
-import sys
 
 import numpy
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torchvision
 from PIL import Image
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import utils
-from conftest import REPO
-
-import torch.distributed.checkpoint as dcp  # noqa: E402  (after utils: the same import it makes)
-from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- arguments

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import DEFAULTS, REPO, assert_same_weights, descendants, job_env, kill_all, load_model_state, side_by_side
+from conftest import DEFAULTS, assert_same_weights, finish, job_env, load_model_state, run, run_together, start
 
 
 def ip(*args):
@@ -68,28 +68,6 @@ def in_host(host, command, hostname=None, hosts_file=None):
                      str(hosts_file), hostname, *command]
 
 
-def run_nodes(commands, env, tmp_path, timeout):
-    """Start every command at once; [(exit status, stdout, stderr, seconds)], each bounded by timeout seconds."""
-    started, procs = time.time(), []
-    try:
-        for i, command in enumerate(commands):
-            out, err = open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")
-            procs.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err,
-                                           stdin=subprocess.DEVNULL, start_new_session=True), out, err))
-        results = []
-        for proc, out, err in procs:
-            code = proc.wait(timeout=max(1, timeout - (time.time() - started)))
-            out.seek(0), err.seek(0)
-            results.append((code, out.read(), err.read(), time.time() - started))
-        return results
-    finally:
-        for proc, out, err in procs:
-            if proc.poll() is None:
-                kill_all([proc.pid, *descendants(proc.pid)])
-                proc.wait()
-            out.close(), err.close()
-
-
 # The network is under test here, not the loader: data loading in the main process (the sample stream is the same
 # with or without loader workers); a collective that waits for the other host longer than 60 s ends the job with a
 # traceback naming it, well within the test's own bound
@@ -108,10 +86,10 @@ def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, d
     (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
     command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
                str(tmp_path / "run")]
-    results = run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)], nodes_env(address_a),
-                        tmp_path, timeout=300)
-    assert [code for code, *_ in results] == [0, 0], results
-    (_, out_a, err_a, _), (_, out_b, err_b, _) = results
+    results = run_together([in_host(hosts["a"], command), in_host(hosts["b"], command)], env=nodes_env(address_a),
+                           timeout=300)
+    assert [node.returncode for node in results] == [0, 0], results
+    (out_a, err_a), (out_b, err_b) = ((node.stdout, node.stderr) for node in results)
     assert (f"run.sh: this node holds MASTER_ADDR {address_a} and hosts the rendezvous; it uses "
             f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in err_a.splitlines()
     assert (f"run.sh: this node joins the rendezvous at {address_a}:29500 (MASTER_ADDR); it uses "
@@ -132,12 +110,12 @@ def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(host
     hosts_file.write_text(f"127.0.0.1 localhost\n{address_a} rsnode-a\n{address_b} rsnode-b\n")
     command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
                str(tmp_path / "run")]
-    results = run_nodes([in_host(hosts["a"], command, "rsnode-a", hosts_file),
-                         in_host(hosts["b"], command, "rsnode-b", hosts_file)], nodes_env("rsnode-a"), tmp_path,
-                        timeout=300)
-    assert [code for code, *_ in results] == [0, 0], results
+    results = run_together([in_host(hosts["a"], command, "rsnode-a", hosts_file),
+                            in_host(hosts["b"], command, "rsnode-b", hosts_file)], env=nodes_env("rsnode-a"),
+                           timeout=300)
+    assert [node.returncode for node in results] == [0, 0], results
     assert (f"run.sh: this node holds MASTER_ADDR rsnode-a ({address_a}) and hosts the rendezvous; it uses "
-            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in results[0][2]
+            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in results[0].stderr
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
 
@@ -149,17 +127,15 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
     wrong = address_a.rsplit(".", 1)[0] + ".99"
     command = ["bash", "run.sh", "ddp", "1", "--epochs", "1", "--output-dir", str(tmp_path / "run")]
     timeout = 10
-    for name in ("wrong", "closed"):
-        (tmp_path / name).mkdir()
-    wrong_results, closed = side_by_side(  # the two cases at once: each node mostly waits
-        lambda: run_nodes([in_host(hosts["a"], command), in_host(hosts["b"], command)],
-                          nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), tmp_path / "wrong", timeout=120),
-        lambda: run_nodes([in_host(hosts["b"], command)], nodes_env(address_a, RDZV_TIMEOUT=str(timeout)),
-                          tmp_path / "closed", timeout=120))
-    for (code, out, err, seconds), (address, interface), target, why in [
+    wrong_results = run_together([in_host(hosts["a"], command), in_host(hosts["b"], command)],
+                                 env=nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), timeout=120)
+    closed = run_together([in_host(hosts["b"], command)], env=nodes_env(address_a, RDZV_TIMEOUT=str(timeout)),
+                          timeout=120)
+    for node, (address, interface), target, why in [
             (wrong_results[0], (address_a, if_a), wrong, r"(no route to host|no answer)"),
             (wrong_results[1], (address_b, if_b), wrong, r"(no route to host|no answer)"),
             (closed[0], (address_b, if_b), address_a, r"connection refused: nothing listens on that port")]:
+        code, out, err, seconds = node.returncode, node.stdout, node.stderr, node.seconds
         lines = err.splitlines()
         assert code == 1 and len(lines) == 2, (code, err)
         assert lines[0].startswith(f"run.sh: this node joins the rendezvous at {target}:29500"), lines
@@ -173,20 +149,17 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
 
 def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hostname_breaks(hosts, tmp_path):
     (_, address_a, _), (_, address_b, if_b) = hosts["a"], hosts["b"]
-    env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": address_a, "MASTER_PORT": "29500"}
-    listener = subprocess.Popen(in_host(hosts["a"], [sys.executable, "-c", (
+    env = job_env(MASTER_ADDR=address_a, MASTER_PORT="29500")
+    listener = start(in_host(hosts["a"], [sys.executable, "-c", (
         "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)")]),  # (after the jobs' stores)
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
+        "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)")]), timeout=90)
     try:
-        assert listener.stdout.readline() == "up\n"  # bounded: the listener ends within 60 s
-        answered = subprocess.run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), cwd=REPO,
-                                  env=env, capture_output=True, text=True, timeout=120)
+        assert listener.stdout.readline() == "up\n"
+        answered = run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
     finally:
-        kill_all([listener.pid])
-        listener.wait()
-    closed = subprocess.run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+        listener.kill()
+        finish(listener, [], timeout=30)
+    closed = run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
     for result, port in ((answered, "something is listening there"), (closed, "nothing listens there yet")):
         lines = result.stdout.splitlines()
         assert result.returncode == 0, result.stdout + result.stderr

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import builtin
 import utils
 from conftest import REPO, job_env, run_sh
 
-sys.path.insert(0, str(REPO / "tools"))
 import shrink  # noqa: E402
 
 

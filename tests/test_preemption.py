@@ -14,9 +14,9 @@ import uuid
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_job_gone, assert_resumed_after,
+from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after,
                       assert_same_weights, checkpoint_step, children, command, deliver, descendants, finish, job_env,
-                      kill_job, load_model_state, ok, outcomes, ranks, read_until, run_sh, start)
+                      kill_job, load_model_state, ok, ranks, read_until, run_sh, start_sh)
 
 
 def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
@@ -30,7 +30,7 @@ def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
     stopped_after = 0
     for how in hows:
         resume = ["--resume", "auto"] if stopped_after else []
-        job, lines, pids = start(*args, *resume), [], []
+        job, lines, pids = start_sh(*args, *resume), [], []
         if read_until(job, lines, "  step "):  # its first progress line
             pids = descendants(job.pid)
             if not stopped_after:
@@ -77,48 +77,30 @@ def second_job_into_the_same_folder(job, args, run):
         deliver(job, "every process", signal.SIGCONT)
 
 
-@ahead_fixture
-def sigterm_twice(out, default_runs, tiny_data):
-    """The next test's jobs, made ahead (conftest.Ahead) beside the tests before it."""
-    stop_and_resume("ddp", ("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp",
-                    tiny_data, out)
-
-
 @pytest.mark.quick
-def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(sigterm_twice):
+def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
     """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group), then to every process
     of the job that resumed it, loader workers included (SLURM's scancel and preemption), then SIGKILL of the next
     one's agent (the OOM killer, a dying login shell: its ranks must not train on as orphans): each stop after the
     job's own first step, each saved, no process left within seconds, and the last resume ends with the
     uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
+    stop_and_resume("ddp", ("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp",
+                    tiny_data, tmp_path)
 
 
-@ahead_fixture
-def preemption_jobs(out, default_runs, tiny_data):
-    """The jobs of three tests below, two at a time (conftest.outcomes), made ahead (conftest.Ahead), each stopped,
-    killed or failed by its own events: {name: conftest.Outcome}. (Not the SIGTERM during evaluation, whose signal
-    must land within the fraction of a second that evaluation takes here.)"""
-    ddp, amp = default_runs / "ddp", default_runs / "amp"
-    return outcomes(ctrl_c=lambda: stop_and_resume("amp", ("group",), signal.SIGINT, amp, tiny_data, out / "ctrl_c"),
-                    elastic=lambda: elastic_restart(ddp, tiny_data, out / "elastic"),
-                    diverging_single=lambda: diverge("single", tiny_data, out / "single"),
-                    diverging_ddp=lambda: diverge("ddp", tiny_data, out / "ddp"))
-
-
-def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(preemption_jobs):
+def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
     """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung (stop_and_resume)."""
-    preemption_jobs["ctrl_c"].get()
+    stop_and_resume("amp", ("group",), signal.SIGINT, default_runs / "amp", tiny_data, tmp_path)
 
 
-@pytest.mark.alone  # its signal must land within a fraction of a second (conftest.Ahead)
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
     """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated.
     (Each rank forks its validation workers at the start, before its training workers: the lower pids. They read
     nothing while the training runs, and read the index queue and the image files as soon as evaluation starts.)"""
     reference, folder = default_runs / "ddp", tmp_path
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
-    job, lines, landed = start(*args), [], False
+    job, lines, landed = start_sh(*args), [], False
     if read_until(job, lines, "epoch 1/2  step 3/3"):
         workers = [sorted(children(pid)) for pid in ranks(job).values()]  # validation's, then training's
         validation = [pids[0] for pids in workers if len(pids) == 2]  # the default: one worker each
@@ -152,10 +134,9 @@ def read_chars(pid):
         return 0
 
 
-@pytest.mark.alone  # timed: the job must end within seconds of the kill (conftest.Ahead)
 def test_a_crashed_rank_ends_the_job_within_seconds_and_leaves_no_process(tiny_data, tmp_path):
     """SIGKILL of one rank (out of memory, a node failure): the survivor must not sit out torchrun's 30 s."""
-    job, lines, pids = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), [], []
+    job, lines, pids = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"), [], []
     if read_until(job, lines, "epoch 1/2  step 1/3"):
         pids = descendants(job.pid)
         os.kill(ranks(job)[1], signal.SIGKILL)
@@ -170,8 +151,8 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     """--print-freq 20 and 12 steps an epoch: the ranks used to vote every 10 steps, so a stop could come 10 steps
     after the signal, past a scheduler's grace period where steps are slow (no checkpoint then). The job is paused
     (SIGSTOP) once rank 0 has saved a step, signalled, and let go on: it stops within two steps of that save."""
-    job = start("ddp", 2, *DEFAULTS, "-b", "2", "--img-size", "64", "--print-freq", "20", "--save-every", "1",
-                "--data-path", tiny_data, "--output-dir", tmp_path / "run")
+    job = start_sh("ddp", 2, *DEFAULTS, "-b", "2", "--img-size", "64", "--print-freq", "20", "--save-every", "1",
+                   "--data-path", tiny_data, "--output-dir", tmp_path / "run")
     last, deadline, saved = tmp_path / "run" / "last.pt", time.time() + 90, None
     while not last.exists() and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -187,14 +168,11 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     assert saved <= int(stops[0].split("after step ")[1].split(":")[0]) <= saved + 2, (saved, stops)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(preemption_jobs):
-    preemption_jobs["elastic"].get()
-
-
-def elastic_restart(reference, tiny_data, folder):
-    env = job_env(TORCHRUN_ARGS="--max-restarts=1")
-    job, lines, killed = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
-                               "--output-dir", folder / "run", env=env), [], False
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_runs, tiny_data,
+                                                                                          tmp_path):
+    reference, folder, env = default_runs / "ddp", tmp_path, job_env(TORCHRUN_ARGS="--max-restarts=1")
+    job, lines, killed = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
+                                  "--output-dir", folder / "run", env=env), [], False
     if read_until(job, lines, "epoch 1/2  step 2/3"):
         os.kill(ranks(job)[0], signal.SIGKILL)
         killed = True
@@ -226,32 +204,21 @@ def diverge(mode, tiny_data, folder):
         assert not broken, (mode, path.name, broken)
 
 
-def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(preemption_jobs):
+def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_data, tmp_path):
     """bash run.sh single and ddp 2 with --lr 1e6 (diverge)."""
     for mode in ("single", "ddp"):
-        preemption_jobs[f"diverging_{mode}"].get()
+        diverge(mode, tiny_data, tmp_path / mode)
 
 
 TERMINAL_MODES = ["single", "dp", "launch"]
 
 
-@ahead_fixture
-def ctrl_c_in_a_terminal(out, tiny_data):
-    """The next test's runs, two at a time (conftest.outcomes), made ahead (conftest.Ahead): {mode: Outcome}."""
-    return outcomes(**{mode: lambda mode=mode: ctrl_c_in_terminal(mode, tiny_data, out / mode)
-                       for mode in TERMINAL_MODES})
-
-
 @pytest.mark.parametrize("mode", TERMINAL_MODES)
-def test_ctrl_c_in_a_terminal_stops_with_one_line(ctrl_c_in_a_terminal, mode):
+def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
     """The rungs without a stop vote: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal sends SIGINT
     to its foreground process group, loader workers included; `kill -INT` on a background job would interrupt
     nothing) ends the run with the script's one line, exit 130, no traceback, and no process left."""
-    ctrl_c_in_a_terminal[mode].get()
-
-
-def ctrl_c_in_terminal(mode, tiny_data, folder):
-    folder.mkdir()
+    folder = tmp_path
     token = uuid.uuid4().hex
     env = job_env(TEST_JOB=token, TERM="dumb")
     args = ["bash", "run.sh", mode, *([2] if mode == "launch" else []), *DEFAULTS, "--data-path", tiny_data,

@@ -10,13 +10,14 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, ahead_fixture, assert_gone, assert_resumed_after, assert_same_weights,
-                      checkpoint_step, descendants, job_env, kill_all, load_model_state, ok, outcomes, ranks,
-                      read_lines_until, run_job, run_sh, side_by_side, start)
+from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_resumed_after, assert_same_weights, checkpoint_step,
+                      descendants, finish, job_env, kill_job, load_model_state, ok, ranks, read_until, run, run_sh,
+                      start_sh)
 
 
 def env_with(**settings):
@@ -27,58 +28,36 @@ def stopped_by(output, name):
     return [line for line in output.splitlines() if line.startswith(f"stopped by {name} after step ")]
 
 
-@ahead_fixture
-def run_sh_jobs(out, tiny_data):
-    """Two tests' jobs side by side (conftest.outcomes), each ended by its own events: {name: conftest.Outcome}."""
-    return outcomes(sigkill=lambda: sigkill_of_run_sh(tiny_data, out / "sigkill"),
-                    fewer_gpus=lambda: fewer_gpus_than_processes(tiny_data, out / "fewer_gpus"),
-                    without_tools=lambda: without_tools(tiny_data, out / "without_tools"))
-
-
-def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_is_missing(run_sh_jobs):
+def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_is_missing(tiny_data, tmp_path):
     """run.sh and a rung copied into a project, tools/ left behind: the job runs under torchrun as it is (one line
     says what run.sh leaves out then); the modes that need a tool end in one line naming it."""
-    run_sh_jobs["without_tools"].get()
-
-
-def without_tools(tiny_data, folder):
-    folder.mkdir(parents=True)
+    folder = tmp_path
     for name in ("run.sh", "train_ddp_torchrun.py", "utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder)
-    job = run_job(["bash", "run.sh", "ddp", 2, *DEFAULTS, "--epochs", "1", "--data-path", tiny_data, "--output-dir",
-                   folder / "run"], cwd=folder, env=job_env(), timeout=120)
+    job = run(["bash", "run.sh", "ddp", 2, *DEFAULTS, "--epochs", "1", "--data-path", tiny_data, "--output-dir",
+               folder / "run"], cwd=folder, timeout=120)
     assert job.returncode == 0 and (folder / "run" / "results.json").is_file(), job.stderr[-3000:]
     assert job.stderr.startswith("run.sh: no tools/launcher.py beside run.sh: the launcher runs as it is"), job.stderr
     for args, missing in ((["doctor"], "tools/doctor.py"), (["bench"], "tools/bench.py"),
                           (["ddp", 1], "tools/hosts.py")):
-        proc = run_job(["bash", "run.sh", *args], cwd=folder, env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1"),
-                       timeout=30)
+        proc = run(["bash", "run.sh", *args], cwd=folder, env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1"), timeout=30)
         assert (proc.returncode, proc.stderr) == (2, f"run.sh: {missing} is missing: copy the tools/ folder beside "
                                                      f"run.sh\n"), proc.stderr
 
 
-def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(run_sh_jobs):
+def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(tiny_data, tmp_path):
     """A job manager, `kill -9 -PGID` or a CI timeout: run.sh gets no chance to pass anything on. The launcher, told by
     its parent-death signal, stops the ranks as on SIGTERM: they save and end, and nothing trains on."""
-    run_sh_jobs["sigkill"].get()
-
-
-def sigkill_of_run_sh(tiny_data, folder):
-    out = folder / "run"
-    job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out)
-    pids = []
-    try:
-        lines = read_lines_until(job, "epoch 1/2  step 1/3", timeout=180)
+    out = tmp_path / "run"
+    job, lines, pids = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", out), [], []
+    if read_until(job, lines, "epoch 1/2  step 1/3"):
         pids = descendants(job.pid)
-        assert len(pids) >= 7, pids  # the output filter, the launcher, 2 ranks and their loader workers
         os.killpg(job.pid, signal.SIGKILL)
         killed = time.time()
         assert_gone(pids, within=60)
         took = time.time() - killed
-        output = "".join(lines) + job.stdout.read()  # every writer is gone: this read ends
-    finally:
-        kill_all(pids)
-        job.wait()
+    output = finish(job, lines, timeout=60)  # every writer is gone: this read ends
+    assert len(pids) >= 7, pids  # the output filter, the launcher, 2 ranks and their loader workers
     assert len(stopped_by(output, "SIGTERM")) == 1, output[-3000:]
     saved = (out / "last.pt").stat().st_mtime_ns
     time.sleep(2)
@@ -91,11 +70,12 @@ def sigkill_of_run_sh(tiny_data, folder):
 def run_on_a_terminal(args, until, timeout):
     """bash run.sh ARGS on a pseudo-terminal whose session it leads (as in an ssh session), until `until` is printed;
     then the terminal closes (the kernel sends SIGHUP to run.sh). Returns (output, exit status, the job's pids)."""
+    token = uuid.uuid4().hex  # (conftest's runner marks every job so: kill_job ends what is left of it)
     pid, fd = pty.fork()
     if pid == 0:  # the child: run.sh, with the terminal as its controlling terminal
         try:
             os.chdir(REPO)
-            os.execvpe("bash", ["bash", "run.sh", *map(str, args)], job_env())
+            os.execvpe("bash", ["bash", "run.sh", *map(str, args)], job_env(TEST_JOB=token))
         finally:
             os._exit(127)
     output, pids, status = b"", [], None
@@ -117,8 +97,8 @@ def run_on_a_terminal(args, until, timeout):
             time.sleep(0.2)
         return output.decode(errors="replace"), status, pids
     finally:
+        kill_job(token)
         if status is None:
-            kill_all([pid, *pids])
             os.waitpid(pid, 0)
 
 
@@ -128,36 +108,23 @@ def sighup(how, args, folder):
         output, status, pids = run_on_a_terminal(args, until="  step ", timeout=180)
         assert status == 128 + signal.SIGHUP, (how, status, output[-3000:])
     else:
-        job, pids = start(*args), []
-        try:
-            lines = read_lines_until(job, "  step ", timeout=180)
+        job, lines, pids = start_sh(*args), [], []
+        if read_until(job, lines, "  step "):
             pids = descendants(job.pid)
             os.killpg(job.pid, signal.SIGHUP)
-            output = "".join(lines) + job.communicate(timeout=60)[0]
-        finally:
-            kill_all([job.pid, *pids])
-            job.wait()
-        assert job.returncode == 128 + signal.SIGHUP, (how, output[-3000:])
+        output = finish(job, lines, timeout=60)
+        assert pids and job.returncode == 128 + signal.SIGHUP, (how, output[-3000:])
         assert len(stopped_by(output, "SIGHUP")) == 1, (how, output[-3000:])
         assert output.rstrip().splitlines()[-1].startswith("stopped by SIGHUP"), (how, output[-3000:])
     assert_gone(pids)
     return checkpoint_step(torch.load(folder / "run" / "last.pt", weights_only=True), 3)
 
 
-@ahead_fixture
-def hung_up_twice(out, default_runs, tiny_data):
-    """The next test's jobs, made ahead (conftest.Ahead) beside the tests before it."""
-    hang_up_twice(default_runs, tiny_data, out)
-
-
-def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(hung_up_twice):
+def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
     """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
     the ranks' output can no longer be written there), then a shell passes its hangup on to the process group of
     the run.sh that resumed it: each stopped after the job's own first step and saved it; a last --resume auto ends
-    with the uninterrupted weights (hang_up_twice)."""
-
-
-def hang_up_twice(default_runs, tiny_data, tmp_path):
+    with the uninterrupted weights."""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
     closed = sighup("terminal closes", args, tmp_path)
     assert 1 <= closed <= 3, closed  # (the job starts and saves in epoch 1; its 3 steps are all it may reach)
@@ -170,8 +137,11 @@ def hang_up_twice(default_runs, tiny_data, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- one line means one line
-def bad_input_through_run_sh(mode, nproc, case, tiny_data, folder):
-    folder.mkdir()
+@pytest.mark.parametrize("mode,nproc,case", [("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
+                                              ("fsdp", 2, "unreadable --resume")])
+def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(mode, nproc, case, tiny_data,
+                                                                                   tmp_path):
+    folder = tmp_path
     bad = folder / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     args = {"missing --data-path": ["--data-path", folder / "nowhere"],
@@ -191,21 +161,6 @@ def bad_input_through_run_sh(mode, nproc, case, tiny_data, folder):
     assert errors[0] in report and "ChildFailedError" in report and "Root Cause" in report, (case, report[-3000:])
     assert "Traceback" not in proc.stdout + proc.stderr, case
     print(f"{mode} {nproc}, {case}: {errors[0]} ({time.time() - started:.1f} s)")
-
-
-@ahead_fixture
-def bad_inputs_through_run_sh(out, tiny_data):
-    """The next test's three cases side by side (each job ends within seconds, most of them spent starting up), made
-    ahead (conftest.Ahead) beside the tests before it."""
-    side_by_side(*[lambda mode=mode, nproc=nproc, case=case: bad_input_through_run_sh(mode, nproc, case, tiny_data,
-                                                                                      out / mode)
-                   for mode, nproc, case in (("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
-                                             ("fsdp", 2, "unreadable --resume"))])
-
-
-def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(bad_inputs_through_run_sh):
-    """ddp 2 with a missing --data-path, amp 1 with --epochs 0, fsdp 2 with an unreadable --resume
-    (bad_input_through_run_sh)."""
 
 
 # The launcher's report after a rank failed, captured from `bash run.sh ddp 2 --epochs 0` (site-packages paths cut).
@@ -336,29 +291,18 @@ def gpus_answer(tmp_path, count):
     return str(python)
 
 
-def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(run_sh_jobs):
+def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp_path):
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
-    run_sh_jobs["fewer_gpus"].get()
-
-
-def fewer_gpus_than_processes(tiny_data, tmp_path):
-    tmp_path.mkdir()
     env = env_with(PYTHON=gpus_answer(tmp_path, 1), CUDA_VISIBLE_DEVICES="0")  # as on a machine with one GPU
     env.pop("OMP_NUM_THREADS")  # as a user runs it: run.sh shares the cores out as on a CPU-only machine
-    job = start("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run", env=env)
-    pids = []
-    try:
-        lines = read_lines_until(job, "epoch 1/2  step 1/3", timeout=180)
-        pids = descendants(job.pid)
-        seen = {}
+    job, lines, seen = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run",
+                                env=env), [], {}
+    if read_until(job, lines, "epoch 1/2  step 1/3"):
         for rank, pid in ranks(job).items():
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
             seen[rank] = (environ.get(b"CUDA_VISIBLE_DEVICES"), environ.get(b"OMP_NUM_THREADS"))
-        output = "".join(lines) + job.communicate(timeout=180)[0]
-    finally:
-        kill_all([job.pid, *pids])
-        job.wait()
+    output = finish(job, lines, timeout=180)
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2)).encode()
     assert seen == {0: (b"", threads), 1: (b"", threads)}, seen
     assert job.returncode == 0, output[-3000:]

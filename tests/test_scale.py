@@ -12,17 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (EXACT, ahead_fixture, assert_resumed_after, assert_same_weights, finish, free_port, job_env,
-                      kill_job, load_model_state, ok, outcomes, popen, ranks, run_job, run_script, side_by_side, start)
+from conftest import (EXACT, assert_resumed_after, assert_same_weights, finish, free_port, in_this_process, job_env,
+                      kill_job, load_model_state, ok, ranks, run, start, start_sh, torchrun)
 import builtin
 import utils
 
 TOL = 1e-5  # see test_ddp.py
-
-
-def torchrun(nproc, script, *args, env=None):
-    return run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
-                    *args], env=env or job_env(), timeout=150)
 
 
 @pytest.mark.parametrize("mode,name", [("ddp", "single"), ("ddp", "launch"), ("ddp", "torchrun"), ("amp", "amp")])
@@ -122,27 +117,16 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     return model.state_dict()
 
 
-@ahead_fixture
-def resumed_elsewhere(out, ddp_killed, tiny_data):
-    """The next test's two jobs side by side (one thread per process), made ahead (conftest.Ahead) beside the tests
-    before it: {"three": the 3-process run, "one": the 1-process run}; each ran in out / its name."""
-    saved, _ = ddp_killed
-    args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
-    three, one = side_by_side(
-        lambda: ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", out / "three")),
-        lambda: ok(run_script("train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
-                              out / "one", env=job_env())))
-    return {"three": three, "one": one, "dir": out}
-
-
-def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, resumed_elsewhere,
-                                                                            tiny_data):
+def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, tiny_data, tmp_path):
     """A checkpoint saved mid-epoch by 2 processes x batch 8 (conftest.ddp_killed) continues on 3 processes x batch 8,
     and in one process with batch 24: the same samples from the same point, the LR of the new global batch, and the
     weights this test computes itself from the checkpoint and the shuffled order (continue_here, which does not use
     the scripts' skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
     saved, checkpoint = ddp_killed
-    three, one = resumed_elsewhere["three"], resumed_elsewhere["one"]
+    args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
+    three = ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three"))
+    one = ok(run([sys.executable, "train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
+                  tmp_path / "one"]))
     for proc in (three, one):
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout
@@ -158,7 +142,7 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
     saved = checkpoint["model"]
     assert (reference["fc.weight"] - saved["fc.weight"]).abs().max() > 100 * TOL  # the steps left moved the head
     for name in ("three", "one"):
-        assert_same_weights(load_model_state(resumed_elsewhere["dir"] / name / "last.pt"), reference, atol=TOL)
+        assert_same_weights(load_model_state(tmp_path / name / "last.pt"), reference, atol=TOL)
 
 
 def read_lines(job, into):
@@ -194,7 +178,7 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
                   TORCHRUN_ARGS="--max-restarts=1", LOGLEVEL="INFO")  # INFO: the agents say why they restart
     args = ["ddp", 1, *EXACT, "--data-path", tiny_data, "-b", "8", "--save-every", "1",
             "--output-dir", tmp_path / "run"]
-    nodes = [start(*args, env=env, timeout=300) for _ in range(2)]
+    nodes = [start_sh(*args, env=env, timeout=300) for _ in range(2)]
     outputs = [[], []]
     readers = [read_lines(node, out) for node, out in zip(nodes, outputs)]
     try:
@@ -228,28 +212,17 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
                         atol=TOL)
 
 
-@ahead_fixture
-def scale_refusals(out, tiny_data):
-    """The next two tests' jobs side by side (conftest.outcomes): two nodes each, refused before training."""
-    return outcomes(shared_store=lambda: shared_store(tiny_data, out / "shared_store"),
-                    different_data=lambda: different_data(tiny_data, out / "different_data"))
-
-
-def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(scale_refusals):
+def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
     """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
     the variable, before it trains."""
-    scale_refusals["shared_store"].get()
-
-
-def shared_store(tiny_data, tmp_path):
     env = job_env()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-shared-store",
            "train_ddp_torchrun.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / "run"]
-    nodes = [popen(cmd, env=env, timeout=200) for _ in range(2)]
+    nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
     outputs = [finish(node, [], timeout=180) for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode != 0, output[-3000:]
@@ -259,17 +232,13 @@ def shared_store(tiny_data, tmp_path):
         assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
-def test_ranks_that_see_different_data_stop_with_one_line_per_node(scale_refusals):
+def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tmp_path):
     """Two nodes with their own copy of the data, one copy missing an image: each node says so, once."""
-    scale_refusals["different_data"].get()
-
-
-def different_data(tiny_data, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tiny_data, other)
     (other / "c1" / "0003.jpg").unlink()
     env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-data")
-    nodes = [start("ddp", 1, *EXACT, "--data-path", data, "-b", "8", "--output-dir", tmp_path / "run", env=env)
+    nodes = [start_sh("ddp", 1, *EXACT, "--data-path", data, "-b", "8", "--output-dir", tmp_path / "run", env=env)
              for data in (tiny_data, other)]
     outputs = [finish(node, [], timeout=120) for node in nodes]
     assert all(node.returncode != 0 for node in nodes), outputs
@@ -282,8 +251,8 @@ def different_data(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("script,how", [("train_ddp_launch.py", "bash run.sh launch"),
                                         ("train_ddp_torchrun.py", "bash run.sh ddp")])
-def test_a_ddp_script_started_without_a_launcher_says_how_to_start_it(script, how):
-    proc = run_script(script, "--epochs", "1", timeout=60)
+def test_a_ddp_script_started_without_a_launcher_says_how_to_start_it(script, how, capfd):
+    proc = in_this_process(script, ["--epochs", "1"], capfd)
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: start this script with") and how in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

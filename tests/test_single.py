@@ -8,9 +8,7 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,8 +19,8 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, ahead_fixture, assert_same_weights, cpu_env, load_model_state,
-                      make_dataset, outcomes, run_forked, run_job, run_script, side_by_side)
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, finish, in_this_process, job_env, load_model_state,
+                      make_dataset, run, start)
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -30,9 +28,9 @@ EPOCHS, STEPS_PER_EPOCH, VAL_COUNT = 2, 6, 17  # FAST on tiny_data: 50 training 
 SAVE_EVERY = 2
 
 
-def one_thread(**extra):
-    """The environment of the runs whose weights are compared: one compute thread each, the same float sums."""
-    return cpu_env(OMP_NUM_THREADS="1", **extra)
+def single(*args, env=None):
+    """python train_single.py ARGS to its end; one compute thread (every run compared with it has one)."""
+    return run([sys.executable, SCRIPT, *args], env=env)
 
 
 def train_args(data, output_dir, *extra):
@@ -83,23 +81,15 @@ def assert_untouched(before):
 
 
 # ------------------------------------------------------------------------------------------ shared runs
-@ahead_fixture
-def single_runs(out, tiny_data):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data):
     """Two complete runs: the baseline, and the same again with 2 loader workers and --resume auto in a new folder
     (which starts fresh). Bitwise equal weights prove both that a seed repeats a run and that loader workers change
-    nothing (either broken, they differ).
-
-    Side by side (conftest.side_by_side), with one compute thread each (one_thread(): every run compared with them).
-    """
+    nothing (either broken, they differ)."""
+    out = tmp_path_factory.mktemp("single")
     variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
-    procs = side_by_side(*[lambda name=name: run_script(SCRIPT, *train_args(tiny_data, out / name, *variants[name]),
-                                                        env=one_thread()) for name in variants])
-    return {name: SimpleNamespace(dir=out / name, proc=proc) for name, proc in zip(variants, procs)}
-
-
-@pytest.fixture(scope="module")
-def runs(single_runs):
-    return single_runs
+    return {name: SimpleNamespace(dir=out / name, proc=single(*train_args(tiny_data, out / name, *extra)))
+            for name, extra in variants.items()}
 
 
 @pytest.fixture(scope="module")
@@ -174,35 +164,22 @@ def counted_here(state, val):
     return counts
 
 
-@ahead_fixture
-def short_runs(out, single_runs, tiny_data, hub_cache, initial_weights):
-    """The runs of three tests below, two at a time (conftest.outcomes), one thread each, made ahead (conftest.Ahead):
-    --test-only of the initial weights, --test-only of the baseline's best.pt (with the baseline's files as they were
-    before it), and one epoch from --weights with --freeze. {name: conftest.Outcome}."""
-    baseline = single_runs["baseline"]
-    check_ok(baseline.proc)
-    before = snapshot(baseline.dir)
-
-    def test_only(checkpoint, name):
-        return run_script(SCRIPT, "--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only",
-                          "--resume", checkpoint, "--output-dir", out / name, env=one_thread())
-    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
-    checkpoint["model"] = initial_weights  # the weights training started from
-    torch.save(checkpoint, out / "untrained.pt")
-    return {"dir": out, "before": before, **outcomes(
-        untrained=lambda: test_only(out / "untrained.pt", "untrained"),
-        best=lambda: test_only(baseline.dir / "best.pt", "best"),
-        weights=lambda: weights_then_freeze(tiny_data, out / "weights", hub_cache, initial_weights))}
+def evaluate_only(checkpoint, tiny_data, output_dir):
+    return single("--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only", "--resume", checkpoint,
+                  "--output-dir", output_dir)
 
 
-def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short_runs, initial_weights, tiny_data):
+def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, initial_weights, tiny_data, tmp_path):
     """results.json's confusion (rows: true class) and per-class accuracy, for the trained model (the run's final
     evaluation) and for the untrained one (--test-only of a checkpoint holding the initial weights: a confusion matrix
     far from diagonal and not symmetric, so that rows and columns cannot be mistaken), against counted_here."""
     _, _, val = builtin.find_images(tiny_data, 0.25)
-    check_ok(short_runs["untrained"].get())
+    checkpoint = torch.load(baseline.dir / "last.pt", weights_only=True)
+    checkpoint["model"] = initial_weights  # the weights training started from
+    torch.save(checkpoint, tmp_path / "untrained.pt")
+    check_ok(evaluate_only(tmp_path / "untrained.pt", tiny_data, tmp_path / "untrained"))
     for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
-                                  (short_runs["dir"] / "untrained" / "results.json", initial_weights)):
+                                  (tmp_path / "untrained" / "results.json", initial_weights)):
         results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
         assert counts.sum(dim=1).tolist() == [6, 5, 6]
         assert results["confusion"] == counts.tolist(), (results_json, results["confusion"], counts)
@@ -212,11 +189,11 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, short
     assert not torch.equal(counts, counts.T), counts  # the untrained model's: rows and columns tell apart
 
 
-def test_test_only_evaluates_without_touching_the_run(baseline, short_runs):
-    before = short_runs["before"]  # (the baseline's files before short_runs started)
+def test_test_only_evaluates_without_touching_the_run(baseline, tiny_data, tmp_path):
+    before = snapshot(baseline.dir)
     results = json.loads((baseline.dir / "results.json").read_text())
-    check_ok(short_runs["best"].get())
-    evaluated = json.loads((short_runs["dir"] / "best" / "results.json").read_text())
+    check_ok(evaluate_only(baseline.dir / "best.pt", tiny_data, tmp_path / "best"))
+    evaluated = json.loads((tmp_path / "best" / "results.json").read_text())
     assert evaluated["val_count"] == VAL_COUNT
     assert evaluated["val_acc"] == results["best_acc"], "best.pt should score the best accuracy of the run"
     assert 0 < evaluated["val_loss"] < 20
@@ -273,58 +250,37 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ kill and resume
-@ahead_fixture
-def single_resumed(out, tiny_data):
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, tiny_data):
     """A run SIGKILLed mid-epoch after a --save-every checkpoint, then continued with --resume auto."""
-    out = out / "run"
-    env = one_thread(PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-u", SCRIPT, *map(str, train_args(tiny_data, out))]
-    stdout, killed_after = [], None
-    with open(out.parent / "killed.stderr", "w") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    watchdog = threading.Timer(120, proc.kill)
-    watchdog.start()
-    try:
-        saved = []  # global steps after which the script wrote a mid-epoch checkpoint
-        for line in proc.stdout:
-            stdout.append(line)
-            match = PROGRESS.match(line)
-            if not match:
-                continue
-            epoch, _, step, steps_per_epoch = map(int, match.groups())
-            global_step = (epoch - 1) * steps_per_epoch + step
-            if step < steps_per_epoch and saved and saved[-1] < global_step:
-                proc.send_signal(signal.SIGKILL)  # mid-epoch, a step after a checkpoint was written
-                killed_after = line
-                break
-            if global_step % SAVE_EVERY == 0 and step < steps_per_epoch:
-                saved.append(global_step)  # the script checkpoints right after printing this line
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None and killed_after is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-    result = SimpleNamespace(dir=out, killed_after=killed_after, killed_status=proc.returncode,
-                             killed_stdout="".join(stdout),
-                             killed_stderr=(out.parent / "killed.stderr").read_text(),
-                             results_after_kill=(out / "results.json").exists(), checkpoint=None, proc=None)
+    out = tmp_path_factory.mktemp("resumed") / "run"
+    job, lines, killed_after = start([sys.executable, SCRIPT, *train_args(tiny_data, out)], timeout=120), [], None
+    saved = []  # global steps after which the script wrote a mid-epoch checkpoint
+    for line in job.stdout:
+        lines.append(line)
+        if not (match := PROGRESS.match(line)):
+            continue
+        epoch, _, step, steps_per_epoch = map(int, match.groups())
+        global_step = (epoch - 1) * steps_per_epoch + step
+        if step < steps_per_epoch and saved and saved[-1] < global_step:
+            job.send_signal(signal.SIGKILL)  # mid-epoch, a step after a checkpoint was written
+            killed_after = line
+            break
+        if global_step % SAVE_EVERY == 0 and step < steps_per_epoch:
+            saved.append(global_step)  # the script checkpoints right after printing this line
+    output = finish(job, lines, timeout=60)
+    result = SimpleNamespace(dir=out, killed_after=killed_after, killed_status=job.returncode, killed_output=output,
+                             results_after_kill=(out / "results.json").exists(), checkpoint=None)
     if (out / "last.pt").exists():
         checkpoint = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
         result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "samples")}
-    result.proc = run_script(SCRIPT, *train_args(tiny_data, out, "--resume", "auto"), env=one_thread())
+    result.proc = single(*train_args(tiny_data, out, "--resume", "auto"))
     return result
-
-
-@pytest.fixture(scope="module")
-def resumed(single_resumed):
-    return single_resumed
 
 
 @pytest.mark.quick
 def test_kill_mid_epoch_and_resume_gives_identical_weights(resumed, baseline):
-    assert resumed.killed_after is not None, (f"no mid-epoch progress line after a checkpoint\n"
-                                              f"{resumed.killed_stdout}\n{resumed.killed_stderr}")
+    assert resumed.killed_after is not None, f"no mid-epoch progress line after a checkpoint\n{resumed.killed_output}"
     assert resumed.killed_status == -signal.SIGKILL, "the run finished before the kill landed"
     assert not resumed.results_after_kill
     assert resumed.checkpoint is not None, "no last.pt after the kill, although --save-every 2 had saved"
@@ -364,25 +320,16 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
         "utils.save_checkpoint({'model': {'w': torch.ones(75_000_000)}, 'epoch': 2}, out)  # 300 MB\n"
         "print('second written', flush=True)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", child, str(REPO), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=cpu_env(OMP_NUM_THREADS="2"))
-    watchdog = threading.Timer(60, proc.kill)
-    watchdog.start()
+    proc = start([sys.executable, "-c", child, REPO, out], timeout=60)
     temporary = out / f".last.pt.{proc.pid}.tmp"
-    try:
-        assert proc.stdout.readline().strip() == "first written"
-        deadline = time.monotonic() + 30
-        while not temporary.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert temporary.exists(), f"never saw {temporary.name} (status {proc.poll()}): the write went unseen"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        proc.stdout.close()
+    first = proc.stdout.readline().strip()
+    deadline = time.monotonic() + 30
+    while first and not temporary.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen = temporary.exists()
+    proc.send_signal(signal.SIGKILL)
+    output = finish(proc, [], timeout=30)
+    assert first == "first written" and seen, f"never saw {temporary.name}: the write went unseen\n{output}"
     assert proc.returncode == -signal.SIGKILL, "the second write finished before the kill"
     state = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     assert state["epoch"] == 1
@@ -409,20 +356,10 @@ def test_demo_data_is_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
-@ahead_fixture
-def bad_inputs(out, single_runs, tiny_data):
-    """The next test's runs, made ahead (conftest.Ahead) beside the tests before it (bad_input_gives_one_error_line)."""
-    check_ok(single_runs["baseline"].proc)
-    bad_input_gives_one_error_line(single_runs["baseline"], tiny_data, out)
-
-
 @pytest.mark.quick
-def test_bad_input_gives_one_error_line(bad_inputs):
-    """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched
-    (bad_input_gives_one_error_line)."""
-
-
-def bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
+def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path, capfd, monkeypatch):
+    """Each case: non-zero exit, one stderr line "error: ..." naming the problem, no traceback, files untouched. The
+    cases run in this process (in_this_process); two of them again as separate interpreters, line for line."""
     missing = tmp_path / "no-such-folder"
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a dataset\n")
@@ -509,15 +446,13 @@ def bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
         return ["--val-fraction", "0.25", *FAST, "--output-dir", tmp_path / outputs / re.sub(r"\W+", "_", name),
                 *cases[name][0]]
 
-    # one thread each: they run 3 at a time, each forked from a process that imported torch once (conftest.run_forked)
-    env = cpu_env(OMP_NUM_THREADS="1", TORCH_HOME=str(torch_home), **NO_NETWORK)
-    procs = dict(zip(cases, run_forked(SCRIPT, [args(name) for name in cases], env=env, folder=tmp_path / "forked")))
+    env = {"TORCH_HOME": str(torch_home), **NO_NETWORK}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    procs = {name: in_this_process(SCRIPT, args(name), capfd) for name in cases}
 
     failures = []
     for name, proc in procs.items():
-        if proc is None:
-            failures.append(f"{name}: still running after 60 s")
-            continue
         lines = proc.stderr.strip().splitlines()
         problems = []
         if proc.returncode == 0:
@@ -536,36 +471,29 @@ def bad_input_gives_one_error_line(baseline, tiny_data, tmp_path):
     assert not failures, "\n".join(failures)
     # and as separate interpreters, `python train_single.py ...`: the same ending, line for line
     for name in ("--epochs 0", "undecodable image, 2 workers"):
-        alone = run_script(SCRIPT, *args(name, "alone"), timeout=60, env=env)
+        alone = run([sys.executable, SCRIPT, *args(name, "alone")], timeout=60, env=job_env(**env))
         assert (alone.returncode, alone.stderr) == (procs[name].returncode, procs[name].stderr), (name, alone.stderr)
     assert_untouched(before)
 
 
 # ------------------------------------------------------------------------------------------------ run.sh
 def test_run_sh_usage():
-    bad = run_job(["bash", "run.sh", "nonsense"], env=cpu_env(), timeout=30)
+    bad = run(["bash", "run.sh", "nonsense"], timeout=30)
     assert bad.returncode == 2
     assert "usage: bash run.sh MODE" in bad.stdout + bad.stderr and "single" in bad.stdout + bad.stderr
-    good = run_job(["bash", "run.sh", "help"], env=cpu_env(), timeout=30)
+    good = run(["bash", "run.sh", "help"], timeout=30)
     assert good.returncode == 0
     assert "usage: bash run.sh MODE" in good.stdout
 
 
-def test_weights_with_another_head_then_freeze_trains_only_the_head(short_runs):
-    """--weights from a 1000-class torchvision state dict: the head is skipped (shape differs), and with --freeze
-    the backbone, BatchNorm statistics included, ends exactly as loaded while the new head learns."""
-    short_runs["weights"].get()
-
-
-def weights_then_freeze(tiny_data, tmp_path, hub_cache, initial):
-    """From a seeded 1000-class resnet18 state dict in a file of its own (conftest.hub_cache's); the new head starts
-    as the scripts' initial weights' (initial)."""
-    tmp_path.mkdir()
-    pretrained = hub_cache[1]
+def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, tmp_path, hub_cache, initial_weights):
+    """--weights from a 1000-class torchvision state dict (hub_cache's, in a file of its own): the head is skipped
+    (shape differs), and with --freeze the backbone, BatchNorm statistics included, ends exactly as loaded while the
+    new head, which starts as the scripts' initial weights' head, learns."""
+    pretrained, initial = hub_cache[1], initial_weights
     torch.save(pretrained, tmp_path / "resnet18.pth")
-    proc = run_script("train_single.py", *FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1",
-                      "--weights", tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run",
-                      env=one_thread())
+    proc = single(*FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1", "--weights",
+                  tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = load_model_state(tmp_path / "run" / "last.pt")
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}

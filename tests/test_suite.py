@@ -9,27 +9,25 @@ import time
 import pytest
 
 import conftest
-from conftest import assert_job_gone, cpu_env, finish, job_env, popen, run_job, run_script, side_by_side, start
+from conftest import assert_job_gone, cpu_env, finish, job_env, run, start, start_sh
 
 
 def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
     """On a GPU machine a CPU test that let a process see a GPU would train on it (cuDNN is not bitwise), or make
     run.sh refuse 2 processes on one GPU: every environment the CPU tests give, and the one a started process
     inherits, says CUDA_VISIBLE_DEVICES= (empty); test_gpu.py's keeps what the suite was started with."""
-    import test_faults
     import test_gpu
-    envs = {"os.environ (inherited)": dict(os.environ), "cpu_env()": cpu_env(), "job_env()": job_env(),
-            "test_faults.env_1_thread()": test_faults.env_1_thread()}
+    envs = {"os.environ (inherited)": dict(os.environ), "cpu_env()": cpu_env(), "job_env()": job_env()}
     exposed = {name: env.get("CUDA_VISIBLE_DEVICES") for name, env in envs.items()
                if env.get("CUDA_VISIBLE_DEVICES") != ""}
     assert not exposed, f"these environments do not hide the GPUs: {exposed}"
     assert test_gpu.env().get("CUDA_VISIBLE_DEVICES") == conftest.USER_VISIBLE_DEVICES
 
-    # What real processes got: run_script's default environment, and start()'s (bash run.sh) read from /proc
+    # What real processes got: run()'s default environment, and start_sh()'s (bash run.sh) read from /proc
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
-    assert run_script(probe).stdout.strip() == "''"
-    job = start("single", "--help")
+    assert run([sys.executable, probe]).stdout.strip() == "''"
+    job = start_sh("single", "--help")
     with open(f"/proc/{job.pid}/environ", "rb") as f:
         environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     finish(job, [], timeout=60)
@@ -39,24 +37,20 @@ def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
 def test_a_job_that_stalls_without_output_is_ended_at_its_time_limit():
     """A job whose process tree goes silent (here: a child in a session of its own, as torchrun's workers are,
     holding the output pipe open): the loop reading its output ends at the watchdog's limit, and every process of
-    the job is killed, the orphaned one too. run_job does the same for jobs run to completion."""
+    the job is killed, the orphaned one too. run() does the same for jobs run to completion."""
     stall = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True);"
              " print('started', flush=True); time.sleep(60)"]
 
-    def read_until_the_watchdog_ends_it():
-        started = time.time()
-        job = popen(stall, env=cpu_env(), timeout=3)
-        lines = list(job.stdout)  # no deadline of its own: the watchdog ends it
-        assert lines == ["started\n"] and time.time() - started < 30
-        finish(job, lines, timeout=10)
-        assert_job_gone(job.token, within=10)
-
-    def run_to_completion():
-        started = time.time()
-        with pytest.raises(subprocess.TimeoutExpired):
-            run_job(stall, env=cpu_env(), timeout=3)
-        assert time.time() - started < 30
-    side_by_side(read_until_the_watchdog_ends_it, run_to_completion)  # the two at once: each waits for its watchdog
+    started = time.time()
+    job = start(stall, env=cpu_env(), timeout=3)
+    lines = list(job.stdout)  # no deadline of its own: the watchdog ends it
+    assert lines == ["started\n"] and time.time() - started < 30
+    finish(job, lines, timeout=10)
+    assert_job_gone(job.token, within=10)
+    started = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run(stall, env=cpu_env(), timeout=3)
+    assert time.time() - started < 30
 
 
 def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(tmp_path):
