@@ -13,6 +13,7 @@ import numpy
 import torch
 import torchvision
 import torchvision.transforms.v2.functional as TF
+from PIL import Image
 from torch.utils.data import Dataset
 
 import utils
@@ -21,6 +22,11 @@ from utils import BadImageError, UsageError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
 DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
+
+try:  # TorchCodec: PyTorch's image decoder (torchvision.io's is deprecated); PIL where it is not installed
+    from torchcodec.decoders import decode_image as codec_decode
+except Exception:  # not installed, or built for another torch
+    codec_decode = None
 
 
 # ------------------------------------------------------------------------------------------ image folders
@@ -119,9 +125,11 @@ class ImageFiles(Dataset):
 
     def large_photo_hint(self):
         """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""
-        from PIL import Image
-        sides = sorted(min(Image.open(self.samples[i][0]).size) for i in range(0, len(self), len(self) // 8 or 1))
-        if (side := sides[len(sides) // 2]) >= 4 * self.img_size:
+        sides = []
+        for i in range(0, len(self), len(self) // 8 or 1):
+            with Image.open(self.samples[i][0]) as image:  # the header only
+                sides.append(min(image.size))
+        if (side := sorted(sides)[len(sides) // 2]) >= 4 * self.img_size:
             return f"{side} px images for a {self.img_size} px crop: train on a copy from bash run.sh shrink"
 
 
@@ -140,13 +148,11 @@ def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 /
 def decode_image(path, scale=None):
     """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted). scale(height, width) -> 1,
     2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT domain (PIL's draft), far cheaper."""
-    from PIL import Image
     try:
         data = Path(path).read_bytes()
-        if not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
-            return torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                               mode=torchvision.io.ImageReadMode.RGB)
-    except Exception:  # a format torchvision does not decode (BMP, TIFF, ...): let PIL try before giving up
+        if codec_decode and not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
+            return codec_decode(data, mode="RGB")
+    except Exception:  # a format TorchCodec does not decode (BMP, TIFF, ...): let PIL try before giving up
         factor = 1
     try:
         with Image.open(path) as image:
@@ -193,8 +199,8 @@ def make_demo_images(folder, per_class=200, size=80):
             background = torch.rand(3, 1, 1, generator=g)
             foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
             image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
-            jpeg = torchvision.io.encode_jpeg((image.clamp(0, 1) * 255).to(torch.uint8), quality=90)
-            (folder / name / f"{i:04d}.jpg").write_bytes(jpeg.numpy().tobytes())
+            pixels = (image.clamp(0, 1) * 255).to(torch.uint8).permute(1, 2, 0).numpy()
+            Image.fromarray(pixels).save(folder / name / f"{i:04d}.jpg", quality=90)
 
 
 # ------------------------------------------------------------------------------------------ the ResNet

@@ -2,6 +2,7 @@
 checkpoints, how a run ends, logging. The section "multi-process rungs only" serves the DDP and FSDP scripts. (The
 built-in image folders and ResNet, which yours replace, are in builtin.py.)"""
 import argparse
+import atexit
 import contextlib
 import datetime
 import errno
@@ -187,6 +188,7 @@ def claim_output_dir(output_dir):
             lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             lock.flush()
             _RUN_DIR["lock"] = lock
+            atexit.register(lock.close)  # held to the end: closing it lets go of the lock
     if dist.is_available() and dist.is_initialized():  # every rank ends alike: one line, from local rank 0
         error = [error]
         dist.broadcast_object_list(error, src=0)

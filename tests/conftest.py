@@ -507,14 +507,15 @@ def fsdp_killed(tmp_path_factory, tiny_data):
 @pytest.fixture(scope="session")
 def fsdp_references(tmp_path_factory, tiny_data, bare):
     """train_fsdp.py, 2 processes x batch 8, EXACT (folder/fsdp, its stdout), and bash run.sh fsdp 2 with the
-    defaults, BatchNorm training (folder/bn)."""
+    defaults, BatchNorm training, every warning shown (folder/bn, its stderr)."""
     def make(folder):
         fsdp = ok(torchrun(2, "train_fsdp.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir",
                            folder / "fsdp", cwd=bare))
-        ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "bn"))
-        return fsdp.stdout
-    folder, stdout = shared_run(tmp_path_factory, "fsdp_references", make)
-    return {"dir": folder, "fsdp": stdout, "bn": folder / "bn"}
+        bn = ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "bn",
+                       env=job_env(PYTHONWARNINGS="default")))
+        return fsdp.stdout, bn.stderr
+    folder, (stdout, stderr) = shared_run(tmp_path_factory, "fsdp_references", make)
+    return {"dir": folder, "fsdp": stdout, "bn": folder / "bn", "bn_stderr": stderr}
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ Most runs use a folder holding only the scripts and utils.py (the copy-out case,
 --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
 import json
+import re
 import shutil
 import signal
 import sys
@@ -136,6 +137,13 @@ def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_d
 def trained_bn(references):
     """What a user runs: bash run.sh fsdp 2 with default --workers and BatchNorm training (no --freeze)."""
     return references["bn"]
+
+
+def test_no_warning_of_a_deprecated_or_unclosed_thing(references):
+    """bash run.sh fsdp 2 (DCP, DTensor, device meshes, the process group's teardown) with every warning shown: none
+    (test_single.py's test says why)."""
+    warned = [line for line in references["bn_stderr"].splitlines() if re.search(r"\w+Warning\b", line)]
+    assert not warned, warned
 
 
 def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):

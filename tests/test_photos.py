@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-import torchvision
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
@@ -42,7 +41,7 @@ def photo(path, width, height, seed=0, quality=90):
 
 def before(path, img_size, train, seed, epoch, index):
     """The pipeline before reduced decoding: decode in full, then draw the box from the decoded size."""
-    image = torchvision.io.decode_image(str(path), mode=torchvision.io.ImageReadMode.RGB)
+    image = builtin.decode_image(path)  # (no scale: the whole image)
     if not train:
         return TF.center_crop(TF.resize(image, round(img_size * 8 / 7), antialias=True), img_size)
     generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
