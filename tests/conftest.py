@@ -1,15 +1,11 @@
-"""The suite's shared parts: what the started processes see, the one job runner, tiny datasets, checkpoint
-comparisons, and the reference runs that several modules compare with.
-
-`bash run.sh test` runs the suite with pytest-xdist: two workers, each taking whole modules (--dist loadfile). A
-reference run that modules on both workers need is made once, by whichever asks first (shared_run).
-"""
-import fcntl
+"""What the tests' processes see, the one job runner, and the checks of checkpoints and resumes. The session
+fixtures (tiny datasets, the reference runs) are in shared.py. `bash run.sh test` runs the suite with pytest-xdist:
+two workers, each taking whole modules (--dist loadfile)."""
+import contextlib
 import json
 import os
 import re
 import runpy
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]  # so that tests can import utils, builtin and the tools
+pytest_plugins = ["shared"]  # the session fixtures (shared.py): tiny datasets, the reference runs
 
 # Tiny runs: 32-pixel crops, batch 8, two epochs, a progress line after every step. FAST: in the main process
 # (no loader workers). DEFAULTS: what a user runs, made small (loader workers on, BatchNorm training). EXACT:
@@ -117,14 +114,8 @@ def job_processes(token):
 def kill_job(token):
     for _ in range(3):  # a process may fork while we look
         for pid in job_processes(token):
-            with_no_error(os.kill, pid, signal.SIGKILL)
-
-
-def with_no_error(call, *args):
-    try:
-        call(*args)
-    except (ProcessLookupError, PermissionError):
-        pass
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def start(cmd, *, env=None, cwd=REPO, timeout=300):
@@ -140,7 +131,6 @@ def start(cmd, *, env=None, cwd=REPO, timeout=300):
 
 
 def run(cmd, *, env=None, cwd=REPO, timeout=150):
-    """cmd to its end (run_together's)."""
     return run_together([cmd], env=env, cwd=cwd, timeout=timeout)[0]
 
 
@@ -233,7 +223,8 @@ def deliver(job, how, signum):
         os.killpg(job.pid, signum)
     else:
         for pid in [job.pid, *descendants(job.pid)]:
-            with_no_error(os.kill, pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
 
 def children(pid):
@@ -343,222 +334,16 @@ def assert_resumed_after(output, step=None):
     return trained
 
 
-def collectives_per_step(trace):
-    """{collective: calls per profiled step}, as tools/profile_report.py reads a --profile run's trace.json."""
+def collectives_per_step(trace):  # as tools/profile_report.py reads a --profile run's trace.json
     import profile_report
     return profile_report.figures(json.loads(Path(trace).read_text()))["collectives_per_step"]
 
 
-def checkpoint_step(checkpoint, steps_per_epoch):
-    """The global step after which a checkpoint was saved, in the global batch that saved it."""
+def checkpoint_step(checkpoint, steps_per_epoch):  # in the global batch that saved it
     return checkpoint["epoch"] * steps_per_epoch + checkpoint["samples"] // checkpoint["global_batch"]
-
-
-def kill_mid_epoch(mode, args, output_dir):
-    """bash run.sh MODE 2 ARGS --save-every 1, SIGKILLed (every process) once step 2 of epoch 1 is logged: its last.pt,
-    of step 1 or 2 (16 or 32 samples at 2 processes x batch 8)."""
-    job, lines = start_sh(mode, 2, *args, "--save-every", "1", "--output-dir", output_dir), []
-    seen = read_until(job, lines, "epoch 1/2  step 2/3")
-    if seen:
-        deliver(job, "every process", signal.SIGKILL)
-    output = finish(job, lines, timeout=60)
-    assert seen, output[-3000:]
-    checkpoint = torch.load(output_dir / "last.pt", weights_only=True)
-    assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 32), checkpoint["samples"]
-    return checkpoint
-
-
-def copy_while_paused(job, folder, copy):
-    """The checkpoint a SIGKILL would leave now: every process of the job paused, folder's last.pt copied into the new
-    folder `copy` (with the shards it names, FSDP), the job let go on: it stays the uninterrupted run."""
-    deliver(job, "every process", signal.SIGSTOP)
-    try:
-        copy.mkdir()
-        shutil.copy(folder / "last.pt", copy)
-        checkpoint = torch.load(copy / "last.pt", weights_only=True)
-        if isinstance(checkpoint["optimizer"], str):
-            shutil.copytree(folder / checkpoint["optimizer"], copy / checkpoint["optimizer"])
-    finally:
-        deliver(job, "every process", signal.SIGCONT)
-    return checkpoint
 
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# --------------------------------------------------------------------------------------------------- data
-def make_dataset(root, counts, size=32, ext=".jpg"):
-    """A class-folder dataset: class i is folder c<i> with counts[i] images, its own colours and stripes (a small
-    network tells them apart), each image with seeded noise."""
-    from PIL import Image
-    file_format, root = Image.registered_extensions()[ext.lower()], Path(root)
-    y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
-                          indexing="ij")
-    for label, count in enumerate(counts):
-        (root / f"c{label}").mkdir(parents=True, exist_ok=True)
-        colours = torch.Generator().manual_seed(1000 + label)
-        background = torch.rand(3, 1, 1, generator=colours) * 0.5
-        foreground = background + 0.3 + 0.2 * torch.rand(3, 1, 1, generator=colours)
-        clean = background + (foreground - background) * (((x if label % 2 == 0 else y) // (2 + label % 5)) % 2)
-        for i in range(count):
-            noise = 0.06 * torch.randn(3, size, size, generator=torch.Generator().manual_seed(label * 100_000 + i))
-            image = ((clean + noise).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
-            Image.fromarray(image.numpy()).save(root / f"c{label}" / f"{i:04d}{ext}", format=file_format,
-                                                **({"quality": 95} if file_format == "JPEG" else {}))
-    return root
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
-    """3 classes of 32x32 JPEGs, 22 + 21 + 24. With --val-fraction 0.25: 17 validation images (divisible neither by
-    2 nor by 3) and 50 training images, 6 steps an epoch at batch 8, 3 at 2 processes x 8."""
-    return make_dataset(tmp_path_factory.mktemp("tiny") / "data", [22, 21, 24])
-
-
-@pytest.fixture(scope="session")
-def hub_cache(tmp_path_factory):
-    """A TORCH_HOME whose hub cache holds seeded 1000-class "ImageNet weights" for resnet18 where torchvision reads
-    ResNet18_Weights.IMAGENET1K_V1 from: --weights IMAGENET1K_V1 with no network. (TORCH_HOME, the state dict)."""
-    import torchvision
-    torch_home = tmp_path_factory.mktemp("torch_home")
-    (torch_home / "hub" / "checkpoints").mkdir(parents=True)
-    torch.manual_seed(1234)
-    state = torchvision.models.resnet18(num_classes=1000).state_dict()
-    torch.save(state, torch_home / "hub" / "checkpoints" / torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
-               .rsplit("/", 1)[-1])
-    return torch_home, state
-
-
-@pytest.fixture(scope="session")
-def initial_weights():
-    """The weights every script starts from on 3 classes: its seed 0, then builtin.resnet("resnet18", 3)."""
-    import builtin
-    torch.manual_seed(0)
-    return builtin.resnet("resnet18", 3).state_dict()
-
-
-@pytest.fixture(scope="session")
-def bare(tmp_path_factory):
-    """An empty folder with the six scripts, utils.py and builtin.py copied in: what a user copies into a project."""
-    folder = tmp_path_factory.mktemp("bare")
-    for script in REPO.glob("train_*.py"):
-        shutil.copy(script, folder)
-    for name in ("utils.py", "builtin.py"):
-        shutil.copy(REPO / name, folder)
-    return folder
-
-
-# ---------------------------------------------------------------------------------------- reference runs
-def shared_run(tmp_path_factory, name, make):
-    """make(folder) once in the whole session, even where xdist runs it in several workers (the first to ask makes
-    it, the others wait for it); what it returns must be JSON. Returns (folder, that value)."""
-    root = tmp_path_factory.getbasetemp()
-    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared"
-    root.mkdir(exist_ok=True)
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / f"{name}.json").exists():
-            shutil.rmtree(root / name, ignore_errors=True)  # a failed attempt's
-            (root / name).mkdir()
-            (root / f"{name}.json").write_text(json.dumps(make(root / name)))
-    return root / name, json.loads((root / f"{name}.json").read_text())
-
-
-@pytest.fixture(scope="session")
-def default_runs(tmp_path_factory, tiny_data):
-    """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh: its folder/<mode>."""
-    def make(folder):
-        for mode in ("ddp", "amp"):
-            ok(run_sh(mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
-                      folder / mode))
-    return shared_run(tmp_path_factory, "default_runs", make)[0]
-
-
-@pytest.fixture(scope="session")
-def exact_single(tmp_path_factory, tiny_data, bare):
-    """train_single.py (copied out), batch 16, EXACT: the reference of the --freeze runs of test_scale and test_fsdp."""
-    def make(folder):
-        ok(run([sys.executable, "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir",
-                folder], cwd=bare))
-    return shared_run(tmp_path_factory, "exact_single", make)[0]
-
-
-@pytest.fixture(scope="session")
-def ddp_killed(tmp_path_factory, tiny_data):
-    """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch: (its last.pt, which no test writes to, the checkpoint)."""
-    def make(folder):
-        kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], folder)
-    folder, _ = shared_run(tmp_path_factory, "ddp_killed", make)
-    return folder / "last.pt", torch.load(folder / "last.pt", weights_only=True)
-
-
-@pytest.fixture(scope="session")
-def fsdp_killed(tmp_path_factory, tiny_data):
-    """bash run.sh fsdp 2 EXACT -b 8, SIGKILLed mid-epoch: (its folder, which no test writes to, the checkpoint)."""
-    def make(folder):
-        kill_mid_epoch("fsdp", [*EXACT, "--data-path", tiny_data, "-b", "8"], folder)
-    folder, _ = shared_run(tmp_path_factory, "fsdp_killed", make)
-    return folder, torch.load(folder / "last.pt", weights_only=True)
-
-
-@pytest.fixture(scope="session")
-def fsdp_references(tmp_path_factory, tiny_data, bare):
-    """train_fsdp.py, 2 processes x batch 8, EXACT (folder/fsdp, its stdout), and bash run.sh fsdp 2 with the
-    defaults, BatchNorm training, every warning shown (folder/bn, its stderr)."""
-    def make(folder):
-        fsdp = ok(torchrun(2, "train_fsdp.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir",
-                           folder / "fsdp", cwd=bare))
-        bn = ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "bn",
-                       env=job_env(PYTHONWARNINGS="default")))
-        return fsdp.stdout, bn.stderr
-    folder, (stdout, stderr) = shared_run(tmp_path_factory, "fsdp_references", make)
-    return {"dir": folder, "fsdp": stdout, "bn": folder / "bn", "bn_stderr": stderr}
-
-
-@pytest.fixture(scope="session")
-def amp_run(tmp_path_factory, tiny_data, bare, hub_cache):
-    """train_ddp_amp.py (bf16 autocast), 2 processes x batch 8, NAMED_WEIGHTS, --save-every 2: test_ddp's amp tests and
-    test_compile's eager run. Its checkpoint when step 3 of epoch 1 is logged is copied while the job is paused
-    (copy_while_paused), for test_compile to resume compiled. {"dir", "stdout", "paused": the copy's folder}."""
-    def make(folder):
-        job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8",
-                            "--save-every", "2", "--output-dir", folder / "run"], cwd=bare, env=hub_env(hub_cache),
-                           timeout=150), []
-        if read_until(job, lines, "epoch 1/2  step 3/3"):
-            copy_while_paused(job, folder / "run", folder / "paused")
-        output = finish(job, lines, timeout=150)
-        assert job.returncode == 0 and (folder / "paused").is_dir(), output[-3000:]
-        return output
-    folder, stdout = shared_run(tmp_path_factory, "amp_run", make)
-    return {"dir": folder / "run", "stdout": stdout, "paused": folder / "paused"}
-
-
-@pytest.fixture(scope="session")
-def evaluations(tmp_path_factory, default_runs, tiny_data, bare):
-    """--test-only of default_runs' last.pt (BatchNorm training, loader workers) by each DDP rung at 1, 2 and 3
-    processes: {name: results.json}. "single": train_single.py; "launch": train_ddp_launch.py, 2 processes under
-    torch.distributed.launch; "alone": train_ddp_launch.py --local_rank=0 (the old spelling) with a launcher's
-    variables and no launcher; "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes,
-    of the amp run's last.pt."""
-    alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    cases = {"single": (["train_single.py"], "ddp"), "alone": (["train_ddp_launch.py", "--local_rank=0"], "ddp"),
-             "launch": (["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2",
-                         "train_ddp_launch.py"], "ddp"),
-             "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                           "train_ddp_torchrun.py"], "ddp"),
-             "amp": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ddp_amp.py"], "amp")}
-
-    def make(folder):
-        results = {}
-        for name, (started_as, mode) in cases.items():
-            env = job_env(**alone, MASTER_PORT=str(free_port())) if name == "alone" else job_env()
-            ok(run([sys.executable, *started_as, "--test-only", "--resume", default_runs / mode / "last.pt",
-                    "--data-path", tiny_data, "--img-size", "32", "--val-fraction", "0.25",
-                    *(BF16 if mode == "amp" else []), "--output-dir", folder / name], cwd=bare, env=env))
-            results[name] = json.loads((folder / name / "results.json").read_text())
-        return results
-    return shared_run(tmp_path_factory, "evaluations", make)[1]

@@ -17,7 +17,8 @@ import torch
 
 from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, assert_resumed_after, assert_same_weights,
                       children, collectives_per_step, finish, free_port, job_env, kill_job, load_model_state,
-                      make_dataset, ok, run, run_sh, start, torchrun)
+                      ok, run, run_sh, start, torchrun)
+from shared import make_dataset
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1

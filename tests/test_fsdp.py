@@ -15,8 +15,9 @@ import torchvision
 
 import utils
 from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step,
-                      collectives_per_step, copy_while_paused, deliver, finish, load_model_state, ok, read_until, run_sh,
+                      collectives_per_step, deliver, finish, load_model_state, ok, read_until, run_sh,
                       start, start_sh, torchrun)
+from shared import copy_while_paused
 from test_ddp import run_and_kill_one_worker
 
 TOL = 1e-5  # see test_ddp.py

@@ -19,8 +19,9 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, finish, in_this_process, job_env, load_model_state,
-                      make_dataset, run, start)
+from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, finish, in_this_process, job_env,
+                      load_model_state, run, start)
+from shared import make_dataset
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -97,8 +98,8 @@ def test_no_warning_of_a_deprecated_or_unclosed_thing(runs):
     """With every warning shown, as `python -X dev` and pytest show them: nothing deprecated, no file or process left
     unclosed, from our code or from what it calls (torchvision.io's decoders, deprecated in 0.29, warned on every run;
     the run folder's lock file was left unclosed). The next deprecation shows here the day it lands."""
-    for name, run in runs.items():
-        warned = [line for line in run.proc.stderr.splitlines() if re.search(r"\w+Warning\b", line)]
+    for name, done in runs.items():
+        warned = [line for line in done.proc.stderr.splitlines() if re.search(r"\w+Warning\b", line)]
         assert not warned, (name, warned)
 
 
