@@ -69,7 +69,9 @@ esac
 if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "$CUDA_VISIBLE_DEVICES" ]; then
   gpus=0  # every GPU hidden: no need to import torch (2-3 s) to count none
 else
-  gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+  # GPUs with a backend between processes (CUDA, ROCm, XPU; Apple's MPS has none: a Mac counts as CPU-only here)
+  gpus=$("$PYTHON" -c "import torch; found = torch.accelerator.current_accelerator(check_available=True)
+print(torch.accelerator.device_count() if found is not None and found.type != 'mps' else 0)")
 fi
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; else nproc=$(( gpus > 0 ? gpus : 2 )); fi
 if [ "$nproc" -lt 1 ]; then echo "run.sh: N must be at least 1" >&2; exit 2; fi

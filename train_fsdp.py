@@ -55,29 +55,30 @@ def main(args):
     # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])  # the process's index on its node: which GPU it drives
-    if device.type == "cuda":  # the GPU of this process's local rank
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    if device.type != "cpu":  # the GPU of this process's local rank
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
     store = utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,  # gloo: CPU
+    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,  # NCCL, XCCL, gloo
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL: bound to this GPU
+                            device_id=None if device.type == "cpu" else device)  # bound to this GPU
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
     utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
+    pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
                               sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
-                              pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                              pin_memory=pin, persistent_workers=args.workers > 0,
                               worker_init_fn=utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
     # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
-    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
                             persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps

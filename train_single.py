@@ -1,4 +1,4 @@
-"""Train a torchvision ResNet image classifier on one device: a CUDA GPU if there is one, else the CPU.
+"""Train a torchvision ResNet image classifier on one device: a GPU (CUDA, ROCm, XPU, Apple MPS), else the CPU.
 
 The base of the collection: every other train_*.py is this script plus one idea, so `diff` shows that idea.
     python train_single.py                               # built-in demo data
@@ -39,14 +39,15 @@ def main(args):
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
     utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
+    pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
                               sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
-                              pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+                              pin_memory=pin, persistent_workers=args.workers > 0)
     # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
     # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda",
+    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=pin,
                             persistent_workers=args.workers > 0)
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)

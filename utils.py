@@ -84,7 +84,8 @@ def get_args_parser(description):
                         "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once")
     parser.add_argument("--freeze", action="store_true",
                         help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N, xpu, mps (default: the accelerator torch finds, else "
+                        "the CPU)")
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps (after 3 warm-up "
                         "steps) with torch.profiler; writes trace.json (tools/profile_report.py reads it)")
@@ -104,7 +105,8 @@ def check_args(args):
     if args.seed >= 2**62:  # torch's generators take 64 bits, and the shuffle's seed is seed + epoch
         raise UsageError(f"--seed must be below 2**62, got {args.seed}")
     if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
-        gpus = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+        found = torch.accelerator.current_accelerator(check_available=True)
+        gpus = found is not None and not (args.device or found.type).startswith("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         args.workers = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1) if gpus else 1
     if not 0 < args.val_fraction < 1:
@@ -119,24 +121,42 @@ def check_args(args):
 
 
 def get_device(requested):
-    """The training device. Under a launcher (LOCAL_RANK set) the rung then takes the GPU of its local rank."""
-    launched, gpus = "LOCAL_RANK" in os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The training device: --device, else the accelerator torch finds (CUDA, ROCm, which poses as cuda, Intel XPU,
+    Apple MPS), else the CPU. Under a launcher the rung then takes the one of its local rank."""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None where none is usable
+    launched = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "LOCAL_RANK" in os.environ else 0
+    device = choose_device(requested, found and found.type, torch.accelerator.device_count() if found else 0, launched)
+    if device.index is not None:
+        torch.accelerator.set_device_index(device.index)  # else pinned-memory threads and the profiler use device 0
+    return device
+
+
+def choose_device(requested, accelerator, count, processes):
+    """The device for --device `requested` (None: the default) where torch finds `count` devices of the type
+    `accelerator` (None: only the CPU) and a launcher started `processes` on this node (0: no launcher)."""
     try:
-        device = torch.device(requested or ("cuda" if gpus else "cpu"))
+        device = torch.device(requested or accelerator or "cpu")
     except RuntimeError:
-        raise UsageError(f"--device {requested} is not a device name; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and launched and device.index is not None:  # before any rank opens a context on GPU N
+        raise UsageError(f"--device {requested} is not a device name; use cpu, {accelerator or 'cuda'} or "
+                         f"{accelerator or 'cuda'}:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != accelerator:
+        raise UsageError(f"--device {requested}: this machine has no usable {device.type} GPU; use --device "
+                         f"{accelerator or 'cpu'}")
+    if processes and device.type == "mps":  # no collective backend on Apple's GPUs: the processes meet on the CPU
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print("Apple MPS has no backend for several processes: they train on the CPU (gloo); train_single.py "
+                  "trains on MPS", flush=True)
+        return torch.device("cpu")
+    if processes and device.index is not None:  # before any rank opens a context on GPU N
         raise UsageError(f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
-                         f"--device cuda, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
-    if device.type == "cuda" and not gpus:
-        raise UsageError(f"--device {requested}: this machine has no usable CUDA GPU; use --device cpu")
-    if device.type == "cuda" and launched and int(os.environ["LOCAL_WORLD_SIZE"]) > gpus:
-        raise UsageError(f"{os.environ['LOCAL_WORLD_SIZE']} processes on this node but only {gpus} GPU(s): start at "
-                         f"most one process per GPU")
-    if device.type == "cuda" and (device.index or 0) >= gpus:
-        raise UsageError(f"--device {requested}: only {gpus} GPU(s) visible")
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # else pinned-memory threads and the profiler work on GPU 0
+                         f"--device {device.type}, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
+    if processes > count:
+        raise UsageError(f"{processes} processes on this node but only {count} GPU(s): start at most one process per "
+                         f"GPU")
+    if (device.index or 0) >= count:
+        raise UsageError(f"--device {requested}: only {count} GPU(s) visible")
     return device
 
 
@@ -325,8 +345,8 @@ def autocast_dtype(requested, device):
     oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
     if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
-    if device.type != "cuda" and requested == "fp16":
-        raise UsageError("--amp-dtype fp16 needs a CUDA GPU; use --amp-dtype bf16 on the CPU")
+    if device.type == "cpu" and requested == "fp16":
+        raise UsageError("--amp-dtype fp16 needs a GPU; use --amp-dtype bf16 on the CPU")
     if device.type == "cpu" and not cpu_computes_bf16():
         slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
                 "autocast runs 10-30x slower than fp32 here (docs/performance.md)")

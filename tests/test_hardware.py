@@ -19,12 +19,13 @@ def test_default_loader_workers_follow_the_cores(monkeypatch):
     threads use the cores; docs/performance.md)."""
     parser = utils.get_args_parser("test")
     monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setattr(utils.torch.cuda, "is_available", lambda: True)
+    found = lambda check_available=False: torch.device("cuda")  # noqa: E731  (a GPU machine)
+    monkeypatch.setattr(utils.torch.accelerator, "current_accelerator", found)
     for local_world_size, device, workers in ((1, None, 15), (2, None, 7), (8, "cuda", 1), (1, "cpu", 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
         args = utils.check_args(parser.parse_args([] if device is None else ["--device", device]))
         assert args.workers == workers, (local_world_size, device, args.workers)
-    monkeypatch.setattr(utils.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(utils.torch.accelerator, "current_accelerator", lambda check_available=False: None)
     assert utils.check_args(parser.parse_args([])).workers == 1
     assert utils.check_args(parser.parse_args(["--workers", "5"])).workers == 5  # given: kept
 

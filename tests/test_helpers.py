@@ -4,6 +4,7 @@ that known failures end with). The scripts reach each of these by the same call;
 that they do."""
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,43 @@ def test_every_numeric_flag_is_checked_by_name(args, words):
 def test_sensible_numbers_pass():
     args = parse("--lr", "0.01", "--clip-grad", "0", "--seed", "7", "--hsdp", "0", "--workers", "0")
     assert (args.lr, args.clip_grad, args.seed, args.epochs, args.img_size) == (0.01, 0.0, 7, 12, 64)
+
+
+# ------------------------------------------------------------------------------------ the device and backend
+@pytest.mark.parametrize("requested,accelerator,count,processes,expected", [
+    (None, None, 0, 0, "cpu"), (None, "cuda", 4, 0, "cuda"), (None, "xpu", 2, 0, "xpu"), (None, "mps", 1, 0, "mps"),
+    ("cuda:1", "cuda", 2, 0, "cuda:1"), ("cpu", "cuda", 4, 0, "cpu"),  # one process: any device it names
+    (None, "cuda", 4, 4, "cuda"), (None, "xpu", 2, 2, "xpu"),  # a launcher: the rung takes its local rank's index
+    (None, "mps", 1, 2, "cpu"),  # Apple's GPU has no backend between processes: they meet on the CPU
+    (None, None, 0, 2, "cpu"),
+])
+def test_the_device_for_each_accelerator(requested, accelerator, count, processes, expected, capsys):
+    """What a machine with CUDA (and ROCm, which poses as CUDA), an Intel GPU (XPU), Apple's MPS or only a CPU gets,
+    as the function the scripts call decides it (utils.get_device gives it torch.accelerator's answers)."""
+    assert utils.choose_device(requested, accelerator, count, processes) == torch.device(expected)
+    if accelerator == "mps" and processes:
+        assert capsys.readouterr().out.startswith("Apple MPS has no backend for several processes: they train on the "
+                                                  "CPU (gloo)")
+
+
+@pytest.mark.parametrize("requested,accelerator,count,processes,words", [
+    ("cuda", None, 0, 0, "--device cuda: this machine has no usable cuda GPU; use --device cpu"),
+    ("xpu", "cuda", 2, 0, "--device xpu: this machine has no usable xpu GPU; use --device cuda"),
+    ("cuda:1", "cuda", 4, 2, "under a launcher each process uses the GPU of its local rank"),
+    (None, "cuda", 2, 4, "4 processes on this node but only 2 GPU(s)"),
+    ("cuda:3", "cuda", 2, 0, "--device cuda:3: only 2 GPU(s) visible"),
+    ("gpu", "cuda", 1, 0, "--device gpu is not a device name; use cpu, cuda or cuda:N"),
+])
+def test_a_device_that_cannot_be_used_is_refused_in_one_line(requested, accelerator, count, processes, words):
+    with pytest.raises(utils.UsageError, match=re.escape(words)):
+        utils.choose_device(requested, accelerator, count, processes)
+
+
+def test_the_backend_follows_the_device():
+    """dist.get_default_backend_for_device, which the DDP and FSDP rungs call: NCCL (CUDA, ROCm's RCCL poses as it),
+    XCCL (Intel XPU), gloo (the CPU, and where MPS leaves the processes)."""
+    backend = torch.distributed.get_default_backend_for_device
+    assert [backend(torch.device(kind)) for kind in ("cuda", "xpu", "cpu")] == ["nccl", "xccl", "gloo"]
 
 
 # ---------------------------------------------------------------------------------------- a dataset's items
