@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+import dist_utils
 import utils
 
 
@@ -35,7 +36,7 @@ def build_model(args, num_classes):
 
 def main(args):
     start_time = time.time()
-    utils.require_launcher(__file__)
+    dist_utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
@@ -74,7 +75,7 @@ def main(args):
 
     # Model
     torch.manual_seed(args.seed)
-    with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
+    with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
@@ -97,7 +98,7 @@ def main(args):
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
+    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch

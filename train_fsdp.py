@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+import dist_utils
 import utils
 
 
@@ -45,11 +46,11 @@ def build_model(args, num_classes):
 
 def main(args):
     start_time = time.time()
-    utils.require_launcher(__file__)
+    dist_utils.require_launcher(__file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    run_id = utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
+    run_id = dist_utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
     output_dir, resume = utils.resolve_run(args, __file__)
 
     # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
@@ -58,7 +59,7 @@ def main(args):
     if device.type != "cpu":  # the GPU of this process's local rank
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    store = utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
+    store = dist_utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
     dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,  # NCCL, XCCL, gloo
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
                             device_id=None if device.type == "cpu" else device)  # bound to this GPU
@@ -73,13 +74,13 @@ def main(args):
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
                               sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
                               pin_memory=pin, persistent_workers=args.workers > 0,
-                              worker_init_fn=utils.ignore_stop_signals)
+                              worker_init_fn=dist_utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
     # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
     val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
-                            persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_stop_signals)
+                            persistent_workers=args.workers > 0, worker_init_fn=dist_utils.ignore_stop_signals)
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
@@ -89,7 +90,7 @@ def main(args):
 
     # Model
     torch.manual_seed(args.seed)
-    with utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
+    with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     if args.sync_bn and device.type == "cuda" and world_size > 1:
@@ -108,7 +109,7 @@ def main(args):
         child for child in model.children() if list(child.parameters())]
     # --amp-dtype bf16: weights gathered and computed in bf16, gradients reduced in fp32. BatchNorm stays in fp32 (its
     # statistics need the precision): each BatchNorm a unit of its own, its output cast back to bf16 for the next layer.
-    bf16 = utils.autocast_dtype(args.amp_dtype, device) if args.amp_dtype else None  # (one line where it would crawl)
+    bf16 = dist_utils.autocast_dtype(args.amp_dtype, device) if args.amp_dtype else None  # (one line where it would crawl)
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 and torch.float32)
     batchnorms = [m for m in model.modules() if bf16 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     # --hsdp R: R replicas, each sharded over world_size / R processes (replicate across nodes, shard within one)
@@ -138,14 +139,14 @@ def main(args):
             raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
         else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            reader = utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
+            reader = dist_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
             dcp.load(state, storage_reader=reader, planner=reader.planner)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
+    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
     # The first step to run: the samples done are the same whatever the batch size and processes that did
     # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
@@ -183,7 +184,7 @@ def main(args):
 
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
-    stop = utils.StopOnSignal()
+    stop = dist_utils.StopOnSignal()
 
     def stop_here(epoch, samples):
         save(epoch, samples)  # every rank: each writes its shards
@@ -224,7 +225,7 @@ def main(args):
             if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
-            memory = memory or utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
+            memory = memory or dist_utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
             optimizer.zero_grad(set_to_none=True)
             samples += global_batch
             log.step(step, global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])

@@ -1,13 +1,10 @@
-"""Small helpers the train_*.py scripts share unchanged, one concern each: arguments, the sample stream,
-checkpoints, how a run ends, logging. The section "multi-process rungs only" serves the DDP and FSDP scripts. (The
-built-in image folders and ResNet, which yours replace, are in builtin.py.)"""
+"""Helpers every train_*.py script shares unchanged: arguments, the device, the sample stream, checkpoints, how a run
+ends, logging. dist_utils.py adds what the multi-process rungs need; builtin.py holds our image folders and ResNet."""
 import argparse
 import atexit
 import contextlib
-import datetime
 import errno
 import gc
-import io
 import json
 import math
 import multiprocessing
@@ -29,7 +26,6 @@ from pathlib import Path
 
 import numpy
 import torch
-import torch.distributed.checkpoint as dcp
 
 collecting = gc.isenabled()
 gc.disable()  # torchvision's import makes ~150,000 objects that live on: collecting among them costs ~0.3 s a process
@@ -44,17 +40,15 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
 
 
-class UsageError(Exception):
-    """Bad input: one line, no traceback, exit status 1 (see one_line_errors)."""
-
+class UsageError(Exception):  # bad input: one line, no traceback, exit status 1 (one_line_errors)
     def __init__(self, message):
         if "Traceback" in message:  # re-raised from a loader worker, its traceback in the message: our line only
             message = message.strip().splitlines()[-1].split("Error: ", 1)[-1]
         super().__init__(message)
 
 
-class BadImageError(UsageError):
-    """An image file that cannot be decoded. Only the process that read it knows, so that process reports it."""
+class BadImageError(UsageError):  # an undecodable image: only the process that read it knows, so it reports it
+    pass
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -94,8 +88,7 @@ def get_args_parser(description):
     return parser
 
 
-def check_args(args):
-    """Validate the shared arguments and fill in the defaults that depend on the data and the machine."""
+def check_args(args):  # the shared arguments checked, and the defaults that depend on the data and the machine
     positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
     for name in (*positive, "workers", "save_every", "profile", "seed", "clip_grad", "hsdp"):  # every rung's numbers
         value = getattr(args, name, None)  # None: a flag this rung does not have, or a default filled in below
@@ -121,8 +114,7 @@ def check_args(args):
 
 
 def get_device(requested):
-    """The training device: --device, else the accelerator torch finds (CUDA, ROCm, which poses as cuda, Intel XPU,
-    Apple MPS), else the CPU. Under a launcher the rung then takes the one of its local rank."""
+    """--device, else the accelerator torch finds (CUDA, ROCm as cuda, XPU, MPS), else the CPU (docs/running.md)."""
     found = torch.accelerator.current_accelerator(check_available=True)  # None where none is usable
     launched = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "LOCAL_RANK" in os.environ else 0
     device = choose_device(requested, found and found.type, torch.accelerator.device_count() if found else 0, launched)
@@ -132,8 +124,8 @@ def get_device(requested):
 
 
 def choose_device(requested, accelerator, count, processes):
-    """The device for --device `requested` (None: the default) where torch finds `count` devices of the type
-    `accelerator` (None: only the CPU) and a launcher started `processes` on this node (0: no launcher)."""
+    """The device for --device `requested` (None: default) given `count` devices of type `accelerator` (None: the
+    CPU only) and `processes` started on this node by a launcher (0: none)."""
     try:
         device = torch.device(requested or accelerator or "cpu")
     except RuntimeError:
@@ -161,8 +153,8 @@ def choose_device(requested, accelerator, count, processes):
 
 
 def resolve_run(args, script):
-    """(output folder, checkpoint to resume from), decided without touching the disk. A run never overwrites another's
-    outputs: the default folder is new; a folder with a checkpoint or results is refused unless resumed."""
+    """(output folder, checkpoint to resume), without touching the disk: a new folder by default; one holding a
+    checkpoint or results is refused unless resumed, so a run never overwrites another's outputs."""
     output_dir, resume = Path(args.output_dir) if args.output_dir else None, None
     if args.resume == "auto":
         resume = output_dir / "last.pt" if (output_dir / "last.pt").exists() else None
@@ -186,10 +178,8 @@ _RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock fi
 
 
 def claim_output_dir(output_dir):
-    """Create the run folder and hold it for this job until it ends: a second job started into the same folder (by
-    mistake, or a --resume auto while the first still runs) ends here with one line instead of mixing its
-    checkpoints and logs with the first's. Global rank 0 holds a POSIX lock on OUTPUT_DIR/.lock, which the kernel
-    releases when the process ends however it ends (also on NFS): a dead job's folder is free again at once."""
+    """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Rank 0
+    holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS)."""
     import fcntl
     import torch.distributed as dist
     error, _RUN_DIR["folder"] = None, output_dir
@@ -222,9 +212,8 @@ _STATISTICS = {}  # (device, channels) -> (mean, std): built once (a tensor buil
 
 
 def normalize(images):
-    """A batch on the training device. uint8 images (0-255) are normalised with ImageNet's statistics: per channel for
-    3 channels (RGB), their average for any other number (grey: 1 channel); anything else (a dataset that normalises
-    its own images) is used as it is."""
+    """uint8 images (0-255) normalised with ImageNet's statistics: per channel for RGB, their average for any other
+    channel count (grey); float images (a dataset that normalises its own) as they are."""
     if images.dtype != torch.uint8:
         return images
     channels = images.shape[1] if images.dim() == 4 else 1
@@ -236,8 +225,7 @@ def normalize(images):
 
 
 def check_datasets(train_set, val_set, classes):
-    """What build_datasets() returned, checked once before training: a wrong item would otherwise fail later, deep in
-    the loader, its collate or the model, in every process at once."""
+    """build_datasets()'s result, checked before training: a wrong item would fail later, deep in the loader."""
     if len(classes) < 2:
         raise UsageError(f"build_datasets() returned {len(classes)} class names; a classifier needs at least 2")
     for name, dataset in (("training", train_set), ("validation", val_set)):
@@ -247,8 +235,7 @@ def check_datasets(train_set, val_set, classes):
             raise UsageError(f"the {name} set's items must be (image tensor, int label) pairs; its first is {problem}")
 
 
-def item_problem(item, num_classes):
-    """What is wrong with a dataset's item, or None."""
+def item_problem(item, num_classes):  # what is wrong with a dataset's item, or None
     if isinstance(item, dict):
         return f"a dict with keys {', '.join(map(repr, item))}: return (item[image key], item[label key])"
     if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -260,19 +247,16 @@ def item_problem(item, num_classes):
                 f"torch.from_numpy()")
     if image.dtype != torch.uint8 and not image.is_floating_point():
         return f"({image.dtype} image, ...): give uint8 images (0-255, normalised here) or floating point ones"
-    if (torch.is_tensor(label) or isinstance(label, numpy.ndarray)) and label.ndim == 0:
+    if isinstance(label, (torch.Tensor, numpy.ndarray, numpy.integer)) and numpy.ndim(label) == 0:
         label = label.item()
-    if isinstance(label, numpy.integer):
-        label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
         return f"(image, {label!r}): a label is an int from 0 to {num_classes - 1}, the index of its class name"
     return None
 
 
 class SeededItems(Dataset):
-    """Any map-style dataset as the training loader reads it: asked for (epoch, index) by EpochSampler, it returns
-    dataset[index] drawn with torch's (CPU), Python's and numpy's generators seeded from (seed, epoch, index). So
-    augmentation is a pure function of those, whatever the loader workers, ranks or resumption."""
+    """dataset[index] for the key (epoch, index) of EpochSampler, drawn with torch's (CPU), Python's and numpy's
+    generators seeded from (seed, epoch, index): augmentation whatever the workers, ranks or resumption."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -292,9 +276,8 @@ class SeededItems(Dataset):
 
 
 def seed_step(seed, epoch, step):
-    """Seed torch's generators (CPU and devices) before a training step from (seed, rank, epoch, step): what the model
-    draws in its forward pass (Dropout, stochastic depth) is then a pure function of those, the same in a resumed run
-    as in an uninterrupted one, and each rank's own (separate GPUs would not share masks either)."""
+    """Seed torch (CPU and devices) from (seed, rank, epoch, step): what the model draws (Dropout, stochastic depth)
+    is then the same in a resumed run as in an uninterrupted one, and each rank's own."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     torch.manual_seed(hash((seed, rank, epoch, step)) & 0xFFFF_FFFF_FFFF)
 
@@ -306,9 +289,8 @@ class EpochSampler(torch.utils.data.Sampler):
         self.sampler, self.epoch, self.skip, self.length = sampler, 0, 0, len(sampler)
 
     def start(self, epoch, samples=0):
-        """Start `epoch` after the first `samples` of its shuffled order. A DistributedSampler gives rank r the
-        positions r, r + W, ... of one order, so the samples seen are the same whatever the world size that saw them.
-        The ranks' skips differ by one at most: each yields as many as rank 0, so all run the same batches."""
+        """Start `epoch` after the first `samples` of its order. Rank r of W reads its positions r, r + W, ...: the
+        samples seen do not depend on W, and every rank yields as many as rank 0."""
         world_size, rank = getattr(self.sampler, "num_replicas", 1), getattr(self.sampler, "rank", 0)
         self.epoch, self.skip = epoch, max(0, samples - rank + world_size - 1) // world_size
         self.length = max(0, len(self.sampler) - (samples + world_size - 1) // world_size)
@@ -324,8 +306,7 @@ class EpochSampler(torch.utils.data.Sampler):
 
 # ------------------------------------------------------------------------------------------------ model
 def train_mode(model, freeze):
-    """model.train(), but with --freeze the BatchNorm layers whose parameters are frozen stay in eval mode (their
-    running statistics belong to the frozen backbone)."""
+    """model.train(); with --freeze, frozen BatchNorm layers stay in eval mode (their statistics are the backbone's)."""
     model.train()
     for module in model.modules():
         if freeze and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not any(
@@ -334,41 +315,15 @@ def train_mode(model, freeze):
 
 
 def warmup_cosine(total_steps):
-    """LR factor per optimizer step: linear warm-up over the first 5% of steps, then cosine decay to zero."""
+    """LR factor per optimizer step: linear warm-up over 5% of the steps, then cosine decay to zero."""
     warmup = max(1, total_steps // 20)
     return lambda step: (step + 1) / warmup if step < warmup else \
         0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
 
-def autocast_dtype(requested, device):
-    """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
-    oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
-    if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
-    if device.type == "cpu" and requested == "fp16":
-        raise UsageError("--amp-dtype fp16 needs a GPU; use --amp-dtype bf16 on the CPU")
-    if device.type == "cpu" and not cpu_computes_bf16():
-        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
-                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
-        if requested is None:
-            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
-                             f"--amp-dtype bf16 to run anyway")
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"warning: {slow}", flush=True)
-    return torch.float16 if requested == "fp16" else torch.bfloat16
-
-
-def cpu_computes_bf16():
-    """Whether oneDNN has bf16 kernels for this CPU (AVX512 or AMX on x86, BF16 on ARM); ONEDNN_MAX_CPU_ISA counts."""
-    with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return True
-
-
 # ---------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(state, output_dir, is_best=False):
-    """Write last.pt (and best.pt) atomically, with CPU tensors (they open on any machine): a kill at any moment
-    leaves the previous file intact."""
+    """last.pt (and best.pt) written atomically, with CPU tensors: a kill at any moment leaves the previous file."""
     broken = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if broken:  # never replace a good checkpoint with a diverged one
         raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
@@ -424,8 +379,7 @@ def load_file(path, flag):
                          f"{intact}") from None
 
 
-def first_line(error, width=160):
-    """An exception's first sentence, without a C++ source location, shortened at a word if need be."""
+def first_line(error, width=160):  # an exception's first sentence, without a C++ source location, shortened
     line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
 
@@ -448,64 +402,6 @@ def load_checkpoint(path, model_name, classes):
     return checkpoint
 
 
-def sharded_checkpoint(run_dir, name):
-    """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
-    last.pt: it must be a folder of the same run folder."""
-    folder = Path(run_dir) / str(name)
-    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
-            and folder.resolve().parent == Path(run_dir).resolve()):
-        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
-                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
-    return SafeReader(folder)
-
-
-class SafeReader(dcp.FileSystemReader):
-    """torch's reader of a sharded checkpoint reads its .metadata with pickle.load, and the items that are not tensors
-    (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
-    This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
-    planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
-    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                                       "TensorStorageMetadata", "BytesStorageMetadata",
-                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
-             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
-
-    def __init__(self, folder):
-        super().__init__(folder)
-        try:
-            with open(Path(folder) / ".metadata", "rb") as f:
-                self.metadata = self.Unpickler(f).load()
-            files = [info.relative_path for info in self.metadata.storage_data.values()]
-        except Exception as error:
-            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
-                             f"checkpoint that these scripts wrote") from None
-        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
-            raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
-        self.planner = SafeLoadPlanner()
-
-    def read_metadata(self, *args, rank=None, **kwargs):
-        if rank is not None:  # a rank's own metadata, which these scripts never write
-            raise FileNotFoundError(f"no metadata of rank {rank}")
-        self.metadata.storage_meta = self.metadata.storage_meta or dcp.metadata.StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            if name in SafeReader.TYPES.get(module, ()) or (
-                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-                return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
-
-
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):
-        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
-        torch.save(torch.load(value, weights_only=True), safe)
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
-
-
 # ------------------------------------------------------------------------------------------ how a run ends
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
 TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
@@ -515,11 +411,8 @@ COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv)|Watc
 
 @contextlib.contextmanager
 def one_line_errors():
-    """Every rung's __main__. Bad input: one line `error: ...`, exit 1, from local rank 0 only (every rank checked
-    the same input; nodes may see different disks) or from the rank that read a bad image. Ctrl-C: one line, exit
-    130. A peer gone, a peer that did not answer within --dist-timeout, a full /dev/shm, parameters without a gradient
-    under DDP: one line. Anything else: its traceback, exit 1. Whatever the ending, loader workers are ended first:
-    they ignore SIGTERM, and Python's exit would wait for them if anything still held their loader."""
+    """Every rung's __main__: bad input, Ctrl-C, a lost or silent peer, a full /dev/shm, a failure every rank meets:
+    one line from one process (docs/robustness.md); anything else: its traceback. Loader workers end first."""
     status, local_rank_0 = 1, lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0  # read late: srun's is set in main
     try:
         yield
@@ -586,25 +479,21 @@ def failure_of_every_rank(error):
     return None
 
 
-def wait_to_be_stopped():
-    """A rank that leaves the error line to local rank 0 gives it time to print it: the launcher stops every rank
-    once one of them has failed."""
+def wait_to_be_stopped():  # leaves local rank 0 time to print the line: the launcher then stops every rank
     end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(10)
 
 
-def end_loader_workers():
-    """Kill this process's loader workers: they ignore SIGTERM, and would outlive it by up to 5 s, holding the job's
-    output open (the DataLoader's check for a dead parent)."""
+def end_loader_workers():  # they ignore SIGTERM, and would outlive this process by up to 5 s, holding its output
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
     for worker in multiprocessing.active_children():
         worker.kill()
 
 
 def destroy_process_group():
-    """dist.destroy_process_group(), then let go of the group's last references so that its threads end now, not
-    while the interpreter exits (FSDP: gloo's teardown then aborted a rank now and then; see docs/fsdp.md)."""
+    """dist.destroy_process_group(), and its last references let go: its threads end now, not in the interpreter's
+    exit, where gloo's teardown aborted an FSDP rank now and then (docs/fsdp.md)."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
@@ -615,165 +504,24 @@ def destroy_process_group():
                 mesh._pg_registry.clear()
 
 
-# ---------------------------------------------------------------------------------- multi-process rungs only
-def require_launcher(script):
-    """Ranks from a launcher, or filled in as torchrun would from an engine that starts each process itself: a Kubeflow
-    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md)."""
-    env, name = os.environ, Path(script).name
-    mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
-    if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
-        if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
-            raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
-                             f"process per pod: start the pod's command with torchrun (it reads PET_*)")
-        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and mode != "launch":  # srun: a task per process
-        host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
-                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],  # (the first node's)
-                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),  # the step's first node, unless given
-                   MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
-    if "RANK" not in env:
-        launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
-        raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
-                         f"[N], or {launcher} --nproc-per-node=N {name}")
-    if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
-        import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process
-
-
-def resume_if_restarted(args, script):
-    """torchrun --max-restarts reruns the command after a failure: continue this job's last.pt, in the same folder
-    (named after the run id unless given). Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT:
-    each node's agent counts only its own failures. Returns the run id."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        args.output_dir = args.output_dir or f"runs/{Path(script).stem}-{run_id}"
-        last = Path(args.output_dir) / "last.pt"
-        if last.exists() and load_file(last, "--resume").get("run_id") == run_id:
-            args.resume = "auto"
-    return run_id
-
-
-def restart_safe_store(timeout):
-    """init_process_group's store under torchrun. The agent's store serves every attempt of a job, and a restarted
-    group could read a dead attempt's keys and fail or hang. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run.sh sets
-    it) each attempt gets a fresh store: None. Else a key prefix per restart: right on one node only, since each
-    node's agent counts its own restarts."""
-    import torch.distributed as dist
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 will host the store (init_process_group)
-        wait_for_master(timeout)
-        return None
-    if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
-        raise UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                         "environment (run.sh sets it), or the restarted nodes may never meet again")
-    return dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=datetime.timedelta(seconds=timeout)))
-
-
-def wait_for_master(timeout):
-    """Where rank 0 hosts the store (plain python, srun, torchrun with a fresh store per attempt) the others wait for
-    it; if it never answers, one line says why (init_process_group would end with dozens of C++ lines)."""
-    address, deadline = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), time.monotonic() + timeout
-    while int(os.environ["RANK"]) > 0:
-        try:
-            return socket.create_connection(address, timeout=5).close()
-        except OSError as error:  # not resolved, refused or unreachable yet: normal while rank 0 starts
-            if time.monotonic() > deadline:
-                raise UsageError(f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
-                                 f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
-                                 f"both, and that rank 0 (the master pod, the first task) runs") from None
-            time.sleep(0.25)
-
-
-@contextlib.contextmanager
-def local_rank_0_first():
-    """The block runs on local rank 0 first (a --weights download into the node's cache; torch.hub renames a whole
-    download into place), then on the node's other ranks."""
-    import torch.distributed as dist
-    if int(os.environ.get("LOCAL_RANK", 0)) > 0:
-        dist.barrier()
-    yield
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        dist.barrier()
-
-
-def same_on_every_rank(classes, train_set, val_set, resume_point):
-    """Stop before training if the ranks do not see the same data or resume point (each node reads its own disk):
-    they would train on mismatched samples, or hang on different numbers of steps."""
-    import torch.distributed as dist
-    if len(val_set) < dist.get_world_size():  # a rank with no validation image would wait in FSDP's evaluation
-        raise UsageError(f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
-                         f"one at least (raise --val-fraction or add images)")
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(classes=classes, training_images=len(train_set),
-                                          validation_images=len(val_set), resume_point=resume_point))
-    for rank, seen in enumerate(gathered):
-        for name, value in seen.items():
-            if value != gathered[0][name]:
-                raise UsageError(f"rank {rank} sees {name} {str(value)[:60]}, rank 0 sees {str(gathered[0][name])[:60]}"
-                                 f": every node needs the same --data-path contents and --output-dir (a shared disk)")
-
-
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
-
-
-class StopOnSignal:
-    """A stop signal is noted, not acted on at once: the ranks agree to stop after the same step, and save there.
-    Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
-    to every worker, SLURM and terminals reach every process of the job themselves."""
-
-    def __init__(self):
-        import torch.distributed as dist
-        self.seen, self.signum = [], 0
-        # The vote is an all-reduce of a CPU tensor (gloo): reading a GPU's would wait for all the work queued on it
-        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, lambda signum, frame: self.seen.append(signum))
-
-    def __bool__(self):  # a signal reached this rank
-        return bool(self.seen)
-
-    def agreed(self):
-        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: after
-        every step, so a job stops one step after the signal, however long a step takes."""
-        seen = torch.tensor([self.seen[-1] if self.seen else 0])
-        with torch.profiler.record_function("stop vote"):  # (--profile's report counts it apart from the training's)
-            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        self.signum = int(seen.numpy()[0])  # (a CPU tensor: no device to wait for)
-        return self.signum
-
-    def exit(self, step, output_dir):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
-                  f"with --resume auto --output-dir {output_dir}", flush=True)
-        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
-
-
-def ignore_stop_signals(worker_id):
-    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
-    its rank down with it. The rank decides; workers still exit when it dies."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
 
 
 _SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its prefetch factor, its batches in /dev/shm)
 
 
 def start_workers(loader):
-    """iter(loader), with the stop signals held back while it forks the workers (before ignore_stop_signals() has
-    run, a signal would end a worker). A held signal arrives right after. A /dev/shm too small for the batches that
-    every loader's workers hold there (a pod's 64 MB) is refused in one line."""
+    """iter(loader), the stop signals held back while it forks the workers (until they ignore them), after one line
+    if /dev/shm is too small for the batches every loader's workers hold there (a pod's 64 MB)."""
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
         batch = getattr(loader.dataset[key][0], "nbytes", 0) * loader.batch_size  # (a tensor's; else no check)
         # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
         _SHM_BYTES[loader] = batch, loader.prefetch_factor, min(loader.num_workers * loader.prefetch_factor,
                                                                  len(loader)) + 1
         processes, held = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), list(_SHM_BYTES.values())  # a node shares it
-        if processes * sum(batch * count for batch, _, count in held) > shm_size():
+        if processes * sum(batch * count for batch, _, count in held) > (shm := shutil.disk_usage("/dev/shm").total):
             one, prefetched = sum(batch for batch, _, _ in held), sum(batch * factor for batch, factor, _ in held)
-            fits = max(0, (shm_size() // processes - one) // prefetched)  # workers per process that would fit
+            fits = max(0, (shm // processes - one) // prefetched)  # workers per process that would fit
             raise UsageError(shm_too_small(f"the batches of {loader.num_workers} loader workers per process",
                                            f"--workers {fits}"))
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -783,32 +531,20 @@ def start_workers(loader):
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def shm_size():
-    return shutil.disk_usage("/dev/shm").total
-
-
 def shm_too_small(what, fewer):
-    return (f"/dev/shm holds {shm_size() >> 20} MiB, too little for {what}: mount a memory-backed volume there "
-            f"(Kubernetes: an emptyDir with medium: Memory, see examples/; docker run --shm-size=8g), or use {fewer}")
-
-
-def shard_bytes(model, optimizer):
-    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state."""
-    return {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
-        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
-        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+    return (f"/dev/shm holds {shutil.disk_usage('/dev/shm').total >> 20} MiB, too little for {what}: mount a "
+            f"memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
+            f"--shm-size=8g), or use {fewer}")
 
 
 # --------------------------------------------------------------------------------------------- logging
-def class_results(confusion, classes):
-    """results.json's per-class figures from the confusion matrix (rows: true class, columns: predicted)."""
+def class_results(confusion, classes):  # results.json's per-class figures (confusion: rows true, columns predicted)
     counts = confusion.sum(dim=1).tolist()
     per_class = {name: confusion[i, i].item() / counts[i] if counts[i] else None for i, name in enumerate(classes)}
     return {"per_class_acc": per_class, "confusion": confusion.tolist()}
 
 
-def report_test(output_dir, checkpoint, classes, val_loss, val_acc, val_count, confusion):
-    """--test-only: results.json and one line."""
+def report_test(output_dir, checkpoint, classes, val_loss, val_acc, val_count, confusion):  # --test-only
     results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(checkpoint),
                **class_results(confusion, classes)}
     write_json(output_dir / "results.json", results)
@@ -835,8 +571,7 @@ class Logger:
             self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
 
     def add_training_images(self, items, epoch, count=32):
-        """TensorBoard: 32 training images as the model sees them, if the items (SeededItems) are images; floats (a
-        dataset's own normalisation) each shown from its min to its max. For our image folders: the large-photo hint."""
+        """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each)."""
         picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist() if self.enabled else []
         images = [items[(epoch, i)][0] for i in picks]  # of every class
         if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
@@ -849,17 +584,15 @@ class Logger:
         self.epoch, self.epoch_steps, self.data_wait, self.last_step = epoch, 0, 0.0, start_step
         self.epoch_start = self.last_time = self.step_end = time.perf_counter()
 
-    def timed(self, batches):
-        """Yields the loader's batches, adding up the time the training loop waits for them."""
-        batches, waiting = iter(batches), time.perf_counter()
-        while (batch := next(batches, None)) is not None:
+    def timed(self, batches):  # the loader's batches, adding up the time the training loop waits for them
+        waiting = time.perf_counter()
+        for batch in batches:
             self.data_wait += time.perf_counter() - waiting
             yield batch
             waiting = time.perf_counter()
         self.data_wait += time.perf_counter() - waiting
 
-    def step(self, step, global_step, loss, lr):
-        """Call after each optimizer step; `step` counts from 0 within the epoch."""
+    def step(self, step, global_step, loss, lr):  # after each optimizer step; `step` counts from 0 in the epoch
         self.epoch_steps += 1
         self.step_end = now = time.perf_counter()
         if (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
@@ -903,8 +636,8 @@ class Logger:
 
 
 def confusion_image(confusion, classes):
-    """val/confusion as a (3, H, W) uint8 picture: rows true classes, columns predicted, each row's shares from white
-    to blue (square root: small ones show); up to 30 classes named, with each cell's %; the weakest listed beside."""
+    """val/confusion, (3, H, W) uint8: rows true classes, columns predicted, shares white to blue (square root: small
+    ones show); up to 30 classes named with each cell's %; the weakest listed beside (docs/data.md)."""
     from PIL import Image, ImageDraw, ImageFont
     n, counts, font = len(confusion), confusion.sum(dim=1).tolist(), ImageFont.load_default(size=12)
     rows, labels = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1), [
@@ -938,18 +671,14 @@ def confusion_image(confusion, classes):
 
 # --------------------------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile N: torch.profiler over N training steps after 3 warm-up steps: trace.json (https://ui.perfetto.dev),
-    the top operators and the peak memory; tools/profile_report.py reads from the trace where the step time went and
-    the collectives per step."""
+    """--profile N: torch.profiler over N steps after 3 warm-up steps: trace.json (https://ui.perfetto.dev), the top
+    operators, the peak memory (tools/profile_report.py: where the step time went, the collectives per step)."""
 
     def __init__(self, output_dir, steps, enabled=True):
         self.output_dir, self.profile = output_dir, None
-        if steps and enabled:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                                  if torch.cuda.is_available() else [])
-            self.profile = torch.profiler.profile(
-                activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1),
-                on_trace_ready=self.report, profile_memory=True)
+        if steps and enabled:  # (the accelerator's activity too: torch's default)
+            schedule = torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1)
+            self.profile = torch.profiler.profile(schedule=schedule, on_trace_ready=self.report, profile_memory=True)
             self.profile.start()
 
     def step(self):
@@ -959,7 +688,6 @@ class Profiler:
     def close(self):
         if self.profile:
             self.profile.stop()
-        self.profile = None
 
     def report(self, profile):
         trace, cuda = self.output_dir / "trace.json", torch.cuda.is_available()

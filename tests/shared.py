@@ -69,11 +69,11 @@ def initial_weights():
 
 @pytest.fixture(scope="session")
 def bare(tmp_path_factory):
-    """An empty folder with the six scripts, utils.py and builtin.py copied in: what a user copies into a project."""
+    """An empty folder with the six scripts and their helpers copied in: what a user copies into a project."""
     folder = tmp_path_factory.mktemp("bare")
     for script in REPO.glob("train_*.py"):
         shutil.copy(script, folder)
-    for name in ("utils.py", "builtin.py"):
+    for name in ("utils.py", "dist_utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder)
     return folder
 

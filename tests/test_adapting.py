@@ -141,10 +141,12 @@ RUNGS = {  # rung: (script, how it is started, its batch, whether it saves on th
 
 
 def users_project(folder, rung):
-    """folder/ with the rung and utils.py copied in, the rung's two functions replaced by the user's."""
+    """folder/ with the rung and its helpers copied in (utils.py; dist_utils.py where a launcher starts it), the rung's
+    two functions replaced by the user's."""
     folder.mkdir()
-    shutil.copy(REPO / "utils.py", folder)
     script = RUNGS[rung][0]
+    for name in ("utils.py",) + (("dist_utils.py",) if script != "train_single.py" else ()):
+        shutil.copy(REPO / name, folder)
     text = (REPO / script).read_text()
     start, end = text.index("def build_datasets(args):"), text.index("def main(args):")
     text = text[:start] + USER_DATA.lstrip() + USERS[rung].lstrip() + "\n\n" + text[end:]

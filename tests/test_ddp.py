@@ -1,10 +1,10 @@
 """The parallel ladder, proven on CPU with real launchers and real gloo processes.
 
-Most runs use a folder holding only the six scripts and utils.py (the copy-out case, conftest.bare). With --freeze the forward
-pass of a sample does not depend on the rest of its batch, so W processes x batch B must end where one process
-with batch W x B ends. Tolerance 1e-5: float32 sums in another order explain ~1e-7 here (measured 3e-8), while a
+Most runs use a folder holding only the six scripts and their helpers (the copy-out case, shared.bare). With --freeze
+the forward pass of a sample does not depend on the rest of its batch, so W processes x batch B must end where one
+process with batch W x B ends. Tolerance 1e-5: float32 sums in another order explain ~1e-7 here (measured 3e-8), while a
 sampler, averaging or LR bug moves the weights by 1e-3 or more. Every run starts from torchvision's "ImageNet weights"
-by name (--weights IMAGENET1K_V1), read from the hub cache with no network (conftest.hub_cache).
+by name (--weights IMAGENET1K_V1), read from the hub cache with no network (shared.hub_cache).
 """
 import json
 import os
@@ -293,9 +293,10 @@ def build_model(args, num_classes):
 
 
 def users_copy(folder, code):
-    """train_ddp_torchrun.py and utils.py in folder, the rung's two functions replaced by code."""
+    """train_ddp_torchrun.py, utils.py and dist_utils.py in folder, the rung's two functions replaced by code."""
     folder.mkdir()
-    shutil.copy(REPO / "utils.py", folder)
+    for name in ("utils.py", "dist_utils.py"):
+        shutil.copy(REPO / name, folder)
     text = (REPO / "train_ddp_torchrun.py").read_text()
     start, end = text.index("def build_datasets(args):"), text.index("def main(args):")
     (folder / "train_ddp_torchrun.py").write_text(text[:start] + code.lstrip() + "\n\n" + text[end:])

@@ -1,6 +1,6 @@
 """train_fsdp.py (FSDP2, fully_shard) proven on CPU with real torchrun processes over gloo.
 
-Most runs use a folder holding only the scripts and utils.py (the copy-out case, conftest.bare). As in test_ddp.py,
+Most runs use a folder holding only the scripts and their helpers (the copy-out case, shared.bare). As in test_ddp.py,
 --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
 import json
@@ -203,7 +203,7 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     convolution met: (the process, those (layer, input, weight, output) dtypes)."""
     copy = out / "copy"
     copy.mkdir()
-    for name in ("utils.py", "builtin.py"):
+    for name in ("utils.py", "dist_utils.py", "builtin.py"):
         shutil.copy(REPO / name, copy)
     hook = ("    seen = set()  # (test) the dtypes each layer type meets\n"
             "    for m in model.modules():\n"

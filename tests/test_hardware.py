@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+import dist_utils
 import utils
 from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run, run_sh
 
@@ -79,7 +80,7 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
     assert (out / "asked" / "results.json").exists()
     assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
         doctor.stdout
-    if utils.cpu_computes_bf16():  # this machine's own CPU
+    if dist_utils.cpu_computes_bf16():  # this machine's own CPU
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
 
 

@@ -17,6 +17,7 @@ import torchvision
 from PIL import Image
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+import dist_utils
 import utils
 
 
@@ -257,7 +258,7 @@ def sharded(tmp_path_factory):
 
 
 def load(run, name, state):
-    reader = utils.sharded_checkpoint(run, name)
+    reader = dist_utils.sharded_checkpoint(run, name)
     with pytest.warns(UserWarning, match="single process"):
         dcp.load(state, storage_reader=reader, planner=reader.planner)
 
@@ -275,7 +276,7 @@ def test_a_crafted_metadata_pickle_runs_no_code(sharded, tmp_path):
     shutil.copytree(run / "last-step1-1.dcp", tmp_path / "last-step1-1.dcp")
     (tmp_path / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "code-ran")))
     with pytest.raises(utils.UsageError) as refused:
-        utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
+        dist_utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
     assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in str(refused.value)
     assert not (tmp_path / "code-ran").exists()
 
@@ -303,7 +304,7 @@ def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "last-link.dcp").symlink_to(tmp_path / "elsewhere" / "last-step1-1.dcp")
     with pytest.raises(utils.UsageError) as refused:
-        utils.sharded_checkpoint(tmp_path / "run", name)
+        dist_utils.sharded_checkpoint(tmp_path / "run", name)
     assert "are not a folder beside it" in str(refused.value)
 
 

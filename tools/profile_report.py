@@ -26,7 +26,7 @@ def figures(trace):
         name, category = event.get("name", ""), event.get("cat")
         if category == "cpu_op" and any(tid == event["tid"] and start <= event["ts"] <= end
                                         for tid, start, end in votes):
-            continue  # the ranks' stop vote (utils.StopOnSignal), a CPU all-reduce: counted apart
+            continue  # the ranks' stop vote (dist_utils.StopOnSignal), a CPU all-reduce: counted apart
         if category == "user_annotation" and name.startswith("ProfilerStep#"):
             steps, step_us = steps + 1, step_us + event["dur"]
         elif category == "user_annotation" and name.startswith("enumerate(DataLoader)"):

@@ -1,0 +1,244 @@
+"""Helpers for the rungs that a launcher starts (DDP, AMP, FSDP), beside utils.py: the launcher's environment, elastic
+restarts, the ranks' checks and stop vote, the autocast dtype, FSDP's sharded checkpoints read without running code."""
+import contextlib
+import datetime
+import io
+import os
+import pickle
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from utils import STOP_SIGNALS, UsageError, first_line, load_file
+
+
+def require_launcher(script):
+    """Ranks from a launcher, or filled in as torchrun would from an engine that starts each process itself: a Kubeflow
+    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md)."""
+    env, name = os.environ, Path(script).name
+    mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
+    if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
+        if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
+            raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
+                             f"process per pod: start the pod's command with torchrun (it reads PET_*)")
+        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and mode != "launch":  # srun: a task per process
+        host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
+                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],  # (the first node's)
+                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),  # the step's first node, unless given
+                   MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
+    if "RANK" not in env:
+        launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
+        raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
+                         f"[N], or {launcher} --nproc-per-node=N {name}")
+    if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
+        import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process
+
+
+def resume_if_restarted(args, script):
+    """torchrun --max-restarts reruns the command after a failure: continue this job's last.pt, in the same folder
+    (named after the run id unless given). Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT:
+    each node's agent counts only its own failures. Returns the run id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        args.output_dir = args.output_dir or f"runs/{Path(script).stem}-{run_id}"
+        last = Path(args.output_dir) / "last.pt"
+        if last.exists() and load_file(last, "--resume").get("run_id") == run_id:
+            args.resume = "auto"
+    return run_id
+
+
+def restart_safe_store(timeout):
+    """init_process_group's store under torchrun. The agent's store serves every attempt of a job, and a restarted
+    group could read a dead attempt's keys and fail or hang. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run.sh sets
+    it) each attempt gets a fresh store: None. Else a key prefix per restart: right on one node only, since each
+    node's agent counts its own restarts."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 will host the store (init_process_group)
+        wait_for_master(timeout)
+        return None
+    if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
+        raise UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                         "environment (run.sh sets it), or the restarted nodes may never meet again")
+    return dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=timeout)))
+
+
+def wait_for_master(timeout):
+    """Where rank 0 hosts the store (plain python, srun, torchrun with a fresh store per attempt) the others wait for
+    it; if it never answers, one line says why (init_process_group would end with dozens of C++ lines)."""
+    address, deadline = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), time.monotonic() + timeout
+    while int(os.environ["RANK"]) > 0:
+        try:
+            return socket.create_connection(address, timeout=5).close()
+        except OSError as error:  # not resolved, refused or unreachable yet: normal while rank 0 starts
+            if time.monotonic() > deadline:
+                raise UsageError(f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
+                                 f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
+                                 f"both, and that rank 0 (the master pod, the first task) runs") from None
+            time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def local_rank_0_first():
+    """The block runs on local rank 0 first (a --weights download into the node's cache; torch.hub renames a whole
+    download into place), then on the node's other ranks."""
+    if int(os.environ.get("LOCAL_RANK", 0)) > 0:
+        dist.barrier()
+    yield
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        dist.barrier()
+
+
+def same_on_every_rank(classes, train_set, val_set, resume_point):
+    """Stop before training if the ranks do not see the same data or resume point (each node reads its own disk):
+    they would train on mismatched samples, or hang on different numbers of steps."""
+    if len(val_set) < dist.get_world_size():  # a rank with no validation image would wait in FSDP's evaluation
+        raise UsageError(f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
+                         f"one at least (raise --val-fraction or add images)")
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(classes=classes, training_images=len(train_set),
+                                          validation_images=len(val_set), resume_point=resume_point))
+    for rank, seen in enumerate(gathered):
+        for name, value in seen.items():
+            if value != gathered[0][name]:
+                raise UsageError(f"rank {rank} sees {name} {str(value)[:60]}, rank 0 sees {str(gathered[0][name])[:60]}"
+                                 f": every node needs the same --data-path contents and --output-dir (a shared disk)")
+
+
+class StopOnSignal:
+    """A stop signal is noted, not acted on at once: the ranks agree to stop after the same step, and save there.
+    Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
+    to every worker, SLURM and terminals reach every process of the job themselves."""
+
+    def __init__(self):
+        self.seen, self.signum = [], 0
+        # The vote is an all-reduce of a CPU tensor (gloo): reading a GPU's would wait for all the work queued on it
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda signum, frame: self.seen.append(signum))
+
+    def __bool__(self):  # a signal reached this rank
+        return bool(self.seen)
+
+    def agreed(self):
+        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: after
+        every step, so a job stops one step after the signal, however long a step takes."""
+        seen = torch.tensor([self.seen[-1] if self.seen else 0])
+        with torch.profiler.record_function("stop vote"):  # (--profile's report counts it apart from the training's)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        self.signum = int(seen.numpy()[0])  # (a CPU tensor: no device to wait for)
+        return self.signum
+
+    def exit(self, step, output_dir):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
+                  f"with --resume auto --output-dir {output_dir}", flush=True)
+        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+
+
+def ignore_stop_signals(worker_id):
+    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
+    its rank down with it. The rank decides; workers still exit when it dies."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
+
+
+def shard_bytes(model, optimizer):
+    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state."""
+    return {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
+        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
+        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+
+
+def autocast_dtype(requested, device):
+    """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
+    oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
+    if device.type == "cuda" and requested != "fp16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError("this GPU has no native bf16 support (emulated, it is slow); use --amp-dtype fp16")
+    if device.type == "cpu" and requested == "fp16":
+        raise UsageError("--amp-dtype fp16 needs a GPU; use --amp-dtype bf16 on the CPU")
+    if device.type == "cpu" and not cpu_computes_bf16():
+        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
+                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
+        if requested is None:
+            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
+                             f"--amp-dtype bf16 to run anyway")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"warning: {slow}", flush=True)
+    return torch.float16 if requested == "fp16" else torch.bfloat16
+
+
+def cpu_computes_bf16():
+    """Whether oneDNN has bf16 kernels for this CPU (AVX512 or AMX on x86, BF16 on ARM); ONEDNN_MAX_CPU_ISA counts."""
+    with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return True
+
+
+def sharded_checkpoint(run_dir, name):
+    """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
+    last.pt: it must be a folder of the same run folder."""
+    folder = Path(run_dir) / str(name)
+    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
+            and folder.resolve().parent == Path(run_dir).resolve()):
+        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
+                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
+    return SafeReader(folder)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """torch's reader of a sharded checkpoint reads its .metadata with pickle.load, and the items that are not tensors
+    (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
+    This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
+    planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
+    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                                       "TensorStorageMetadata", "BytesStorageMetadata",
+                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        try:
+            with open(Path(folder) / ".metadata", "rb") as f:
+                self.metadata = self.Unpickler(f).load()
+            files = [info.relative_path for info in self.metadata.storage_data.values()]
+        except Exception as error:
+            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
+                             f"checkpoint that these scripts wrote") from None
+        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
+            raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
+        self.planner = SafeLoadPlanner()
+
+    def read_metadata(self, *args, rank=None, **kwargs):
+        if rank is not None:  # a rank's own metadata, which these scripts never write
+            raise FileNotFoundError(f"no metadata of rank {rank}")
+        self.metadata.storage_meta = self.metadata.storage_meta or dcp.metadata.StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name in SafeReader.TYPES.get(module, ()) or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
