@@ -31,8 +31,8 @@ except Exception:  # not installed, or built for another torch
 
 # ------------------------------------------------------------------------------------------ image folders
 def find_images(data_path, val_fraction):
-    """(class names, train samples, val samples) from a folder of class sub-folders (split per class by val_fraction,
-    the same split whatever --seed) or a folder holding train/ and val/ class folders."""
+    """(class names, training files, validation files) from a folder of class sub-folders (split per class by
+    val_fraction, the same split whatever --seed) or a folder holding train/ and val/ class folders."""
     root = Path(data_path)
     if not root.is_dir():
         raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
@@ -43,9 +43,9 @@ def find_images(data_path, val_fraction):
         index = {name: i for i, name in enumerate(classes)}
         val = [(path, index[val_classes[label]]) for path, label in val]
     else:
-        classes, samples = scan_classes(root)
+        classes, files = scan_classes(root)
         per_class, train, val = [[] for _ in classes], [], []
-        for path, label in samples:  # one pass: start-up stays linear in the number of files
+        for path, label in files:  # one pass: start-up stays linear in the number of files
             per_class[label].append(path)
         for label, files in enumerate(per_class):
             order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
@@ -55,7 +55,7 @@ def find_images(data_path, val_fraction):
     for split, name, fix in ((val, "validation", "raise"), (train, "training", "lower")):
         if not split:
             raise UsageError(f"the {name} split of {root} is empty; {fix} --val-fraction or add images")
-    return classes, Samples(train), Samples(val)
+    return classes, FileList(train), FileList(val)
 
 
 def scan_classes(root):
@@ -64,7 +64,7 @@ def scan_classes(root):
     if len(classes) < 2:
         raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders"
                          if classes else f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
-    samples = []
+    found = []
     for label, name in enumerate(classes):
         files = []
         for folder, subfolders, names in os.walk(root / name):
@@ -74,11 +74,11 @@ def scan_classes(root):
         if not files:
             raise UsageError(f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                              f"add some or remove the folder")
-        samples += [(f, label) for f in files]
-    return classes, samples
+        found += [(f, label) for f in files]
+    return classes, found
 
 
-class Samples:
+class FileList:
     """A read-only list of (path, label) pairs in two numpy arrays: a list of tuples is written to by every read
     (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
 
@@ -97,37 +97,39 @@ class ImageFiles(Dataset):
     """Image files as uint8 tensors (3, size, size); normalize() normalises whole batches on the device. A training
     item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
 
-    def __init__(self, samples, img_size, train):
-        self.samples, self.img_size, self.train = samples, img_size, train
+    def __init__(self, files, img_size, train):
+        self.files, self.img_size, self.train = files, img_size, train
 
     def __len__(self):
-        return len(self.samples)
+        return len(self.files)
 
     def __getitem__(self, index):
-        path, label = self.samples[index]
-        box = []
+        path, label = self.files[index]
+        crop = {}  # chosen on the full-size image: width, top, left, height, box_width, flip
 
-        def scale(height, width):  # the full size: the crop box, then 1/8, 1/4 or 1/2 if the box stays >= the target
-            box[:] = [width, *(random_crop_box(height, width) if self.train else (0, 0, height, width))]
+        def scale(height, width):  # the crop, then 1/8, 1/4 or 1/2 if the crop stays >= the target at that scale
+            top, left, h, w, flip = random_crop_box(height, width) if self.train else (0, 0, height, width, False)
+            crop.update(width=width, top=top, left=left, height=h, box_width=w, flip=flip)
             target = self.img_size if self.train else round(self.img_size * 8 / 7)
-            return next((s for s in (8, 4, 2) if min(box[3:5]) >= s * target), 1)
+            return next((s for s in (8, 4, 2) if min(h, w) >= s * target), 1)
         image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
-        if not box:  # other images: once decoded
+        if not crop:  # other images: once decoded
             scale(*image.shape[-2:])
         if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
             return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
-        ratio = image.shape[-1] / box[0]  # the box, mapped onto an image decoded smaller (else 1)
-        top, left, bottom, right = (round(v * ratio) for v in (box[1], box[2], box[1] + box[3], box[2] + box[4]))
+        ratio = image.shape[-1] / crop["width"]  # the crop, mapped onto an image decoded smaller (else 1)
+        top, left = round(crop["top"] * ratio), round(crop["left"] * ratio)
+        bottom, right = round((crop["top"] + crop["height"]) * ratio), round((crop["left"] + crop["box_width"]) * ratio)
         # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
         image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right], size=[self.img_size] * 2,
                                                 mode="bilinear", antialias=True)[0]
-        return image.flip(-1) if box[5] else image, label
+        return image.flip(-1) if crop["flip"] else image, label
 
     def large_photo_hint(self):
         """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""
         sides = []
         for i in range(0, len(self), len(self) // 8 or 1):
-            with Image.open(self.samples[i][0]) as image:  # the header only
+            with Image.open(self.files[i][0]) as image:  # the header only
                 sides.append(min(image.size))
         if (side := sorted(sides)[len(sides) // 2]) >= 4 * self.img_size:
             return f"{side} px images for a {self.img_size} px crop: train on a copy from bash run.sh shrink"
@@ -192,7 +194,7 @@ def make_demo_images(folder, per_class=200, size=80):
             g = torch.Generator().manual_seed(label * 100_000 + i)
             freq, phase = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g)
             radius, centre = 0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g)
-            wave = lambda t: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
+            wave = lambda t, freq=freq, phase=phase: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
             distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
             pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius, "hstripes": wave(y) > 0,
                        "vstripes": wave(x) > 0, "rings": wave(distance) > 0}[name].float()

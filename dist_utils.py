@@ -30,10 +30,11 @@ def require_launcher(script):
                              f"process per pod: start the pod's command with torchrun (it reads PET_*)")
         env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and mode != "launch":  # srun: a task per process
+        # LOCAL_WORLD_SIZE: the first node's tasks; MASTER_ADDR: the step's first node, unless given
         host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
         env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
-                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],  # (the first node's)
-                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),  # the step's first node, unless given
+                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],
+                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),
                    MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
     if "RANK" not in env:
         launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"

@@ -25,9 +25,9 @@ def build_datasets(args):
     label) items works: uint8 images are normalised on the device, float images used as given; the training set's
     random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
     import builtin  # our image folders (builtin.py): not needed once this function is yours
-    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
-    return (builtin.ImageFiles(train_samples, args.img_size, train=True),
-            builtin.ImageFiles(val_samples, args.img_size, train=False), classes)
+    classes, train_files, val_files = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+    return (builtin.ImageFiles(train_files, args.img_size, train=True),
+            builtin.ImageFiles(val_files, args.img_size, train=False), classes)
 
 
 def build_model(args, num_classes):
@@ -42,10 +42,10 @@ def main(args):
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    run_id = dist_utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if there is one
+    run_id = dist_utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if any
     output_dir, resume = utils.resolve_run(args, __file__)
 
-    # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
+    # One process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])  # the process's index on its node: which GPU it drives
     if device.type != "cpu":  # the GPU of this process's local rank
@@ -53,9 +53,9 @@ def main(args):
         torch.accelerator.set_device_index(local_rank)
     amp_dtype = dist_utils.autocast_dtype(args.amp_dtype, device)  # refused where the device would crawl (one line)
     store = dist_utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
-    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,  # NCCL, XCCL, gloo
+    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
-                            device_id=None if device.type == "cpu" else device)  # bound to this GPU
+                            device_id=None if device.type == "cpu" else device)  # NCCL, XCCL or gloo; on this GPU
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -70,8 +70,8 @@ def main(args):
                               worker_init_fn=dist_utils.ignore_stop_signals)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
-    # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
-    # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
+    # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
+    # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
     val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
                             persistent_workers=args.workers > 0, worker_init_fn=dist_utils.ignore_stop_signals)
     utils.start_workers(val_loader)
@@ -86,11 +86,11 @@ def main(args):
     with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
-    if args.sync_bn and device.type == "cuda" and world_size > 1:
+    if args.sync_bn and device.type != "cpu" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print("warning: --sync-bn needs CUDA and 2+ processes (DDP refuses SyncBatchNorm on CPU); using plain "
+        print("warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
               "BatchNorm")
     if device.type == "cuda":  # tensor cores read channels-last (NHWC) images: no layout change per convolution
         model = model.to(memory_format=torch.channels_last)

@@ -23,9 +23,9 @@ def build_datasets(args):
     label) items works: uint8 images are normalised on the device, float images used as given; the training set's
     random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
     import builtin  # our image folders (builtin.py): not needed once this function is yours
-    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
-    return (builtin.ImageFiles(train_samples, args.img_size, train=True),
-            builtin.ImageFiles(val_samples, args.img_size, train=False), classes)
+    classes, train_files, val_files = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+    return (builtin.ImageFiles(train_files, args.img_size, train=True),
+            builtin.ImageFiles(val_files, args.img_size, train=False), classes)
 
 
 def build_model(args, num_classes):
@@ -42,7 +42,7 @@ def main(args):
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     output_dir, resume = utils.resolve_run(args, __file__)
 
-    # DDP: one process per device. The launcher's environment tells each process its rank and the master's address.
+    # One process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device.type != "cpu":  # the GPU of this process's local rank
         device = torch.device(device.type, args.local_rank)
@@ -62,8 +62,8 @@ def main(args):
                               pin_memory=pin, persistent_workers=args.workers > 0)
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
-    # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
-    # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
+    # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
+    # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
     val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
                             persistent_workers=args.workers > 0)
     utils.start_workers(val_loader)

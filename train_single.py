@@ -18,9 +18,9 @@ def build_datasets(args):
     label) items works: uint8 images are normalised on the device, float images used as given; the training set's
     random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
     import builtin  # our image folders (builtin.py): not needed once this function is yours
-    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
-    return (builtin.ImageFiles(train_samples, args.img_size, train=True),
-            builtin.ImageFiles(val_samples, args.img_size, train=False), classes)
+    classes, train_files, val_files = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+    return (builtin.ImageFiles(train_files, args.img_size, train=True),
+            builtin.ImageFiles(val_files, args.img_size, train=False), classes)
 
 
 def build_model(args, num_classes):
@@ -45,8 +45,8 @@ def main(args):
     train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
                               sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
                               pin_memory=pin, persistent_workers=args.workers > 0)
-    # Persistent, and its workers forked now, before training: a fork beside a thread that calls into Python (a
-    # comm hook's callback) can hang the child on CPython before 3.11.10 (docs/robustness.md)
+    # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
+    # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=pin,
                             persistent_workers=args.workers > 0)
     utils.start_workers(val_loader)

@@ -116,7 +116,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_p
     plain, accum = (collectives_per_step(out / name / "trace.json") for name in ("plain", "accum"))
     assert accum["allreduce"] == plain["allreduce"] == 1, (plain, accum)  # --freeze: the head's bucket only
     # --sync-bn on CPU: one warning, then per-process BatchNorm
-    assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs CUDA") == 1
+    assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs GPUs") == 1
 
 
 def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
@@ -245,8 +245,9 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     assert len(errors) == 1 and "0003.jpg" in errors[0], unreadable.stderr[-3000:]
     assert "Traceback" not in unreadable.stdout
 
-    for proc, line in ((dict_items, "error: the training set's items must be (image tensor, int label) pairs; its first "
-                                    "is a dict with keys 'image', 'label': return (item[image key], item[label key])"),
+    for proc, line in ((dict_items, "error: the training set's items must be (image tensor, int label) pairs; its "
+                                    "first is a dict with keys 'image', 'label': return (item[image key], "
+                                    "item[label key])"),
                        (unused_layer, "error: some parameters got no gradient in the last step (2 3): the model holds "
                                       "a module that forward() does not use; remove it, or pass "
                                       "find_unused_parameters=True in the DDP(...) line (docs/troubleshooting.md)")):

@@ -17,7 +17,8 @@ def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp
     every rank printed its line and then waited forever for its loader workers at exit."""
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
-    job, lines = start_sh("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run"), []
+    lines = []
+    job = start_sh("ddp", 2, *DEFAULTS, "--epochs", "3", "--data-path", data, "--output-dir", tmp_path / "run")
     assert read_until(job, lines, "epoch 1/3  val loss"), "".join(lines)[-3000:]
     pids = descendants(job.pid)
     for folder in data.iterdir():

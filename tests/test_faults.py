@@ -171,10 +171,11 @@ def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_inta
         proc = run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / mode, "--resume", "auto")
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 1 and len(errors) == 1, (mode, proc.stderr[-3000:])
-        assert errors[0] == (f"error: --resume {last}: not a readable checkpoint, perhaps cut short (PytorchStreamReader "
-                             f"failed reading zip archive: failed finding central directory); {last.with_name('best.pt')} "
-                             f"is intact: continue from it with --resume {last.with_name('best.pt')}, or start from its "
-                             f"weights with --weights {last.with_name('best.pt')}"), errors
+        best = last.with_name("best.pt")
+        assert errors[0] == (f"error: --resume {last}: not a readable checkpoint, perhaps cut short "
+                             f"(PytorchStreamReader failed reading zip archive: failed finding central directory); "
+                             f"{best} is intact: continue from it with --resume {best}, or start from its weights "
+                             f"with --weights {best}"), errors
 
 
 def test_a_full_disk_while_fsdp_writes_its_shards_is_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):

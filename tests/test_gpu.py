@@ -124,7 +124,7 @@ def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
     proc = run_sh(mode, *nproc, *args_for(tiny_data, tmp_path / "run", *flags), env=env())
     check_run(proc, tmp_path / "run")
     # SyncBatchNorm needs 2+ processes: at world size 1 it would be plain BatchNorm, and one line says so
-    assert ("warning: --sync-bn needs CUDA and 2+ processes" in proc.stdout) == ("--sync-bn" in flags), proc.stdout
+    assert ("warning: --sync-bn needs GPUs and 2+ processes" in proc.stdout) == ("--sync-bn" in flags), proc.stdout
     if mode == "dp":  # nn.DataParallel where 2+ GPUs are visible, else the module unwrapped
         gpus = torch.cuda.device_count()
         assert (f"split over {gpus} device(s)" if gpus > 1 else "training unwrapped on cuda") in proc.stdout

@@ -1,4 +1,4 @@
-"""builtin.Samples: the file list that forked DataLoader workers read without copying it."""
+"""builtin.FileList: the file list that forked DataLoader workers read without copying it."""
 import os
 
 import pytest
@@ -14,13 +14,13 @@ def imagenet_like(count, classes=1000):
 def test_samples_read_back_as_built():
     pairs = [("/data/ç/é.jpg", 0), ("/data/日本/猫 1.png", 1), ("/data/a/b.JPEG", 2), ("/data/\udcff.jpg", 1),
              *imagenet_like(1000)]
-    samples = builtin.Samples(pairs)
+    samples = builtin.FileList(pairs)
     assert len(samples) == len(pairs)
     assert [samples[i] for i in range(len(pairs))] == list(samples) == pairs
     assert samples[-1] == pairs[-1]
     with pytest.raises(IndexError):
         samples[len(pairs)]
-    assert list(builtin.Samples([])) == []
+    assert list(builtin.FileList([])) == []
 
 
 def private_dirty_mb():
@@ -33,9 +33,9 @@ def test_forked_worker_reads_samples_without_copying_them():
     """A forked child reads all 300,000 samples once; its private dirty memory must stay nearly flat.
 
     The old layout, a list of (path, label) tuples, made the child copy 58 MB here (every read writes the
-    reference counts of a tuple and its string); builtin.Samples measured 0.2 MB.
+    reference counts of a tuple and its string); builtin.FileList measured 0.2 MB.
     """
-    samples = builtin.Samples(imagenet_like(300_000))
+    samples = builtin.FileList(imagenet_like(300_000))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child, like a DataLoader worker: read, report, and never return into pytest

@@ -52,7 +52,7 @@ def before(path, img_size, train, seed, epoch, index):
 
 
 def items(files, img_size, train, epochs=3, seed=0):
-    dataset = builtin.ImageFiles(builtin.Samples([(str(f), 0) for f in files]), img_size, train)
+    dataset = builtin.ImageFiles(builtin.FileList([(str(f), 0) for f in files]), img_size, train)
     if not train:
         return [(i, dataset[i][0]) for i in range(len(files))]
     items = utils.SeededItems(dataset, seed)  # as the scripts' training loader reads it
@@ -101,7 +101,7 @@ def test_large_jpegs_same_box_and_a_close_image(tmp_path):
 def test_sample_stream_unchanged_across_workers(tmp_path):
     # the defaults a user gets: loader workers on; reduced decoding in the workers and in the main process
     files = [photo(tmp_path / f"c{i % 2}" / f"{i}.jpg", 640, 480, seed=i) for i in range(8)]
-    dataset = utils.SeededItems(builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(files)]), 48,
+    dataset = utils.SeededItems(builtin.ImageFiles(builtin.FileList([(str(f), i % 2) for i, f in enumerate(files)]), 48,
                                                  True), seed=5)
 
     def stream(workers):
@@ -241,12 +241,12 @@ def epoch_line(tmp_path, dataset, capsys):
 def test_data_wait_hint_names_shrink_for_large_photos(tmp_path, capsys):
     large = [photo(tmp_path / "large" / f"{i}.jpg", 1200, 900, seed=i) for i in range(6)]
     small = [photo(tmp_path / "small" / f"{i}.jpg", 200, 150, seed=i) for i in range(6)]
-    line = epoch_line(tmp_path / "a", builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(large)]),
-                                                       64, True), capsys)
+    files = builtin.FileList([(str(f), i % 2) for i, f in enumerate(large)])
+    line = epoch_line(tmp_path / "a", builtin.ImageFiles(files, 64, True), capsys)
     assert "data loading is the bottleneck" in line and "900 px images for a 64 px crop" in line \
         and "bash run.sh shrink" in line, line
-    line = epoch_line(tmp_path / "b", builtin.ImageFiles(builtin.Samples([(str(f), i % 2) for i, f in enumerate(small)]),
-                                                       64, True), capsys)
+    files = builtin.FileList([(str(f), i % 2) for i, f in enumerate(small)])
+    line = epoch_line(tmp_path / "b", builtin.ImageFiles(files, 64, True), capsys)
     assert "data loading is the bottleneck; raise --workers" in line and "shrink" not in line, line
 
 

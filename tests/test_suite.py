@@ -60,7 +60,8 @@ def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(t
     probe = tmp_path / "test_probe.py"
     probe.write_text("import subprocess\n"
                      "def test_probe():\n"
-                     "    job = subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, text=True)\n"
+                     "    job = subprocess.run(['grep', 'SigIgn', '/proc/self/status'],\n"
+                     "                         capture_output=True, text=True)\n"
                      "    print('started job:', job.stdout.strip())\n")
 
     def ignore_stop_signals():  # as nohup and a script's `&` leave them

@@ -299,7 +299,7 @@ def photos_child(opts):
                 T.RandomResizedCrop(PHOTO_IMG), T.RandomHorizontalFlip(), T.ToTensor(),
                 T.Normalize(utils.MEAN, utils.STD)]))
             return len(dataset), lambda epoch, i: dataset[i]
-        samples = builtin.Samples([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
+        samples = builtin.FileList([(str(path), 0) for path in sorted(root.rglob("*.jpg"))])
         dataset = utils.SeededItems(builtin.ImageFiles(samples, PHOTO_IMG, train=True), seed=0)
         # before: without the scale callback every image is decoded in full, and its box drawn from the decoded size
         builtin.decode_image = (lambda path, scale=None: decode(path)) if name == "before" else decode
