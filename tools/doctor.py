@@ -5,27 +5,30 @@ Exit status 1 when a check fails (warnings alone give 0), 2 for bad arguments.
 
 The last check is a real all-reduce between N processes on the backend the training scripts use (nccl on GPUs,
 gloo on the CPU; N as in run.sh: the visible GPUs, or 2 on a CPU-only machine), reported like nccl-tests:
-algbw = bytes / time and busbw = algbw * 2(N-1)/N. The processes are started first, so that they import torch
-while the other checks run; they meet through a TCPStore this process holds on 127.0.0.1 (port chosen by the
-OS, so no race for a free port), and every wait is bounded (--timeout), so a broken network cannot hang it.
+algbw = bytes / time and busbw = algbw * 2(N-1)/N. The processes are started first (torch.multiprocessing), so that
+they import torch while the other checks run; they meet through a TCPStore this process holds on 127.0.0.1 (port
+chosen by the OS, so no race for a free port), and every wait is bounded (--timeout), so a broken network cannot
+hang it.
 
-Self-contained on purpose (standard library, torch, torchvision, tensorboard): it must work when the rest of the
-project does not.
+Self-contained on purpose (standard library, torch, torchvision, tensorboard, and packaging, which they bring): it
+must work when the rest of the project does not.
 """
 import argparse
+import contextlib
 import errno
 import json
+import logging
 import os
 import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +36,6 @@ GiB, MiB = 1 << 30, 1 << 20
 SHM_MIN = 1 * GiB  # Docker's default /dev/shm is 64 MiB; DataLoader workers pass every batch through it
 DEFAULT_PORT = 29500  # what torchrun / torch.distributed.launch use without --standalone or --master-port
 SLOW_NCCL_BUSBW = 5.0  # GB/s: below PCIe speed, NCCL is probably falling back to sockets
-WORKER_FLAG = "--allreduce-worker"
 
 
 class Report:
@@ -41,44 +43,22 @@ class Report:
         self.checks = []
 
     def add(self, name, status, message, fix=None, **data):
-        check = {"name": name, "status": status, "message": message, "fix": fix, **data}
-        self.checks.append(check)
-        line = f"{status:<6}{message}" + (f"; {fix}" if fix else "")
-        print(line, flush=True)
-        return check
+        self.checks.append({"name": name, "status": status, "message": message, "fix": fix, **data})
+        print(f"{status:<6}{message}" + (f"; {fix}" if fix else ""), flush=True)
 
     def count(self, status):
         return sum(check["status"] == status for check in self.checks)
 
 
-def version_tuple(text):
-    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
-
-
-def required_range(package):
-    """(lowest, first excluded) versions of package in requirements.txt, each None where not given."""
-    try:
-        lines = (REPO / "requirements.txt").read_text().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        line = line.split("#")[0].strip()
-        match = re.fullmatch(rf"{re.escape(package)}\s*((?:[<>=!]=?\s*[\w.]+\s*,?\s*)*)", line)
-        if match:
-            low = re.search(r">=\s*([\d.]+)", match.group(1))
-            high = re.search(r"<\s*([\d.]+)", match.group(1))
-            return (version_tuple(low.group(1)) if low else None), (version_tuple(high.group(1)) if high else None)
-    return None, None
-
-
-def version_status(package, version):
-    """("ok" or "warn", fix) for version against the range in requirements.txt."""
-    low, high = required_range(package)
-    have = version_tuple(version)
-    if (low and have < low) or (high and have >= high):
-        wanted = ",".join(filter(None, [low and ">=" + ".".join(map(str, low)),
-                                         high and "<" + ".".join(map(str, high))]))
-        return "warn", f"outside requirements.txt ({package}{wanted}): pip install -r requirements.txt"
+def required(package, version):
+    """("ok" or "warn", fix): version against package's range in requirements.txt, read as pip reads it."""
+    from packaging.requirements import Requirement
+    with contextlib.suppress(OSError):
+        for line in (REPO / "requirements.txt").read_text().splitlines():
+            with contextlib.suppress(ValueError):  # (comments, blank lines)
+                requirement = Requirement(line.split("#")[0])
+                if requirement.name == package and not requirement.specifier.contains(version, prereleases=True):
+                    return "warn", (f"outside requirements.txt ({requirement}): pip install -r requirements.txt")
     return "ok", None
 
 
@@ -89,54 +69,53 @@ def human_bytes(n):
 # --------------------------------------------------------------------------------------------- the checks
 def check_versions(report, torch):
     fixed = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # python/cpython#112275, September 2024
+    python = f"Python {platform.python_version()} ({sys.executable})"
     if sys.version_info[2] < fixed.get(sys.version_info[:2], 0):
-        report.add("python", "warn", f"Python {platform.python_version()} ({sys.executable}) can deadlock a forked "
-                   f"child (python/cpython#112275)", "a DDP comm hook written in Python can then hang a loader "
-                   f"worker at its fork: upgrade Python to {'.'.join(map(str, sys.version_info[:2]))}."
-                   f"{fixed[sys.version_info[:2]]}+ or 3.12 (docs/robustness.md)", version=platform.python_version())
+        report.add("python", "warn", f"{python} can deadlock a forked child (python/cpython#112275)",
+                   f"a DDP comm hook written in Python can then hang a loader worker at its fork: upgrade Python to "
+                   f"{'.'.join(map(str, sys.version_info[:2]))}.{fixed[sys.version_info[:2]]}+ or 3.12 "
+                   f"(docs/robustness.md)", version=platform.python_version())
     else:
-        report.add("python", "ok", f"Python {platform.python_version()} ({sys.executable})",
-                   version=platform.python_version())
+        report.add("python", "ok", python, version=platform.python_version())
 
-    build = f"CUDA build {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
-    if torch.backends.cudnn.is_available():
-        cudnn = torch.backends.cudnn.version()
-        build += f", cuDNN {cudnn // 10000}.{cudnn // 100 % 100}" if cudnn and cudnn >= 10000 else ""
-    status, fix = version_status("torch", torch.__version__)
+    from torch.utils import collect_env  # what torch's own bug-report script reads: the build, the driver
+    env = collect_env.get_env_info()
+    build = f"CUDA build {env.cuda_compiled_version}" if torch.version.cuda else "CPU-only build"
+    if torch.backends.cudnn.is_available() and (cudnn := torch.backends.cudnn.version() or 0) >= 10000:
+        build += f", cuDNN {cudnn // 10000}.{cudnn // 100 % 100}"
+    build += f", NVIDIA driver {env.nvidia_driver_version}" if env.nvidia_driver_version else ""
+    status, fix = required("torch", env.torch_version)
     if status == "ok" and not torch.version.cuda:
         status, fix = "warn", "this torch cannot use GPUs: install a CUDA build (https://pytorch.org/get-started)"
-    report.add("torch", status, f"torch {torch.__version__} ({build})", fix,
-               version=torch.__version__, cuda_build=torch.version.cuda)
+    report.add("torch", status, f"torch {env.torch_version} ({build})", fix, version=env.torch_version,
+               cuda_build=torch.version.cuda)
 
-    try:
-        import torchvision
-    except Exception as error:  # a torchvision built for another torch often fails right here
-        report.add("torchvision", "fail", f"torchvision does not import ({type(error).__name__}: {error})",
-                   "pip install -r requirements.txt (a torchvision release built for this torch)")
-    else:
-        version = torchvision.__version__
-        status, fix = version_status("torchvision", version)
-        tv, tt = version_tuple(version), version_tuple(torch.__version__)
-        if tv[:1] == (0,) and len(tv) > 1 and tt[:1] == (2,) and len(tt) > 1 and tv[1] - 15 != tt[1]:
-            # torchvision 0.15 was released with torch 2.0, 0.16 with 2.1, ... 0.29 with 2.14
-            status, fix = "warn", (f"torchvision 0.{tv[1]} is made for torch 2.{tv[1] - 15}, not {torch.__version__}: "
-                                   f"install the matching pair (pip install -r requirements.txt)")
-        try:  # the compiled operators: missing when torchvision and torch do not match
-            torchvision.ops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
+    for package, fix in (("torchvision", "pip install -r requirements.txt (a torchvision release built for this "
+                                         "torch)"),
+                         ("tensorboard", "the scripts log to TensorBoard: pip install -r requirements.txt")):
+        try:  # a torchvision built for another torch often fails right here
+            module, version = __import__(package), metadata.version(package)
         except Exception as error:
-            status, fix = "fail", (f"its compiled operators do not load ({str(error).splitlines()[0][:80]}): "
-                                   f"reinstall torchvision for torch {torch.__version__}")
-        report.add("torchvision", status, f"torchvision {version}", fix, version=version)
+            report.add(package, "fail", f"{package} does not import ({type(error).__name__}: {error})", fix)
+            continue
+        status, fix = required(package, version)
+        if package == "torchvision":
+            status, fix = check_torchvision(torch, module, version, status, fix)
+        report.add(package, status, f"{package} {version}", fix, version=version)
 
-    try:
-        import tensorboard
-        version = tensorboard.__version__
+
+def check_torchvision(torch, torchvision, version, status, fix):
+    from packaging.version import Version
+    vision, core = Version(version).release, Version(torch.__version__).release
+    if vision[0] == 0 and core[0] == 2 and vision[1] - 15 != core[1]:  # 0.15 came with torch 2.0, ... 0.29 with 2.14
+        status, fix = "warn", (f"torchvision 0.{vision[1]} is made for torch 2.{vision[1] - 15}, not "
+                               f"{torch.__version__}: install the matching pair (pip install -r requirements.txt)")
+    try:  # the compiled operators: missing when torchvision and torch do not match
+        torchvision.ops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
     except Exception as error:
-        report.add("tensorboard", "fail", f"tensorboard does not import ({type(error).__name__})",
-                   "the scripts log to TensorBoard: pip install -r requirements.txt")
-    else:
-        status, fix = version_status("tensorboard", version)
-        report.add("tensorboard", status, f"tensorboard {version}", fix, version=version)
+        status, fix = "fail", (f"its compiled operators do not load ({str(error).splitlines()[0][:80]}): "
+                               f"reinstall torchvision for torch {torch.__version__}")
+    return status, fix
 
 
 def cuda_state(torch):
@@ -145,29 +124,22 @@ def cuda_state(torch):
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
         count = torch.cuda.device_count() if available else 0
-    why = None
-    if not available:
-        if not torch.version.cuda:
-            why = "CPU-only torch build"
-        elif os.environ.get("CUDA_VISIBLE_DEVICES") is not None and not os.environ["CUDA_VISIBLE_DEVICES"].strip():
-            why = "CUDA_VISIBLE_DEVICES is empty"
-        elif caught:
-            why = str(caught[0].message).strip().splitlines()[0][:120]
-        else:
-            why = "no NVIDIA GPU or driver found"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    why = None if available else "CPU-only torch build" if not torch.version.cuda else \
+        "CUDA_VISIBLE_DEVICES is empty" if visible is not None and not visible.strip() else \
+        str(caught[0].message).strip().splitlines()[0][:120] if caught else "no NVIDIA GPU or driver found"
     return available, count, why
 
 
 def check_gpus(report, torch, available, count, why):
+    nccl = nccl_version(torch)
     if not available:
         report.add("cuda", "warn", f"CUDA not available ({why}): training runs on the CPU with gloo; "
                    f"GPU checks skipped", available=False, reason=why)
         report.add("gpus", "skip", "GPUs: none visible (skipped)", count=0, devices=[])
-        nccl = nccl_version(torch)
         report.add("nccl", "skip", f"NCCL {nccl or '(not in this build)'}: not used without GPUs (skipped)",
                    version=nccl)
         return
-
     report.add("cuda", "ok", f"CUDA available (torch built for CUDA {torch.version.cuda})", available=True)
     devices = []
     for i in range(count):
@@ -177,30 +149,25 @@ def check_gpus(report, torch, available, count, why):
                         "total_bytes": total, "free_bytes": free})
     names = sorted({d["name"] for d in devices})
     if count == 1:
-        report.add("gpus", "warn", f"1 GPU visible ({names[0]})",
-                   "multi-GPU modes will run one process; use a machine with 2+ GPUs or check CUDA_VISIBLE_DEVICES",
-                   count=count, devices=devices)
+        report.add("gpus", "warn", f"1 GPU visible ({names[0]})", "multi-GPU modes will run one process; use a "
+                   "machine with 2+ GPUs or check CUDA_VISIBLE_DEVICES", count=count, devices=devices)
     elif len(names) > 1:
         report.add("gpus", "warn", f"{count} GPUs visible, of {len(names)} kinds ({', '.join(names)})",
                    "DDP runs at the pace of the slowest GPU: pick one kind with CUDA_VISIBLE_DEVICES",
                    count=count, devices=devices)
     else:
         report.add("gpus", "ok", f"{count} GPUs visible ({names[0]})", count=count, devices=devices)
-
     arch_list = torch.cuda.get_arch_list()
     for d in devices:
-        message = (f"GPU {d['index']}: {d['name']}, {human_bytes(d['total_bytes'])} "
-                   f"({human_bytes(d['free_bytes'])} free), compute {d['capability']}")
-        status, fix = "ok", None
-        if d["total_bytes"] - d["free_bytes"] > max(2 * GiB, 0.1 * d["total_bytes"]):
-            status, fix = "warn", (f"{human_bytes(d['total_bytes'] - d['free_bytes'])} in use by other processes "
-                                   f"(nvidia-smi): wait, or pick another GPU with CUDA_VISIBLE_DEVICES")
+        status, fix, used = "ok", None, d["total_bytes"] - d["free_bytes"]
+        if used > max(2 * GiB, 0.1 * d["total_bytes"]):
+            status, fix = "warn", (f"{human_bytes(used)} in use by other processes (nvidia-smi): wait, or pick "
+                                   f"another GPU with CUDA_VISIBLE_DEVICES")
         if not kernels_for(d["capability"], arch_list):
-            status, fix = "warn", (f"this torch has kernels for {' '.join(arch_list)} only: "
-                                   f"install a torch build that supports compute {d['capability']}")
-        report.add(f"gpu{d['index']}", status, message, fix, **d)
-
-    nccl = nccl_version(torch)
+            status, fix = "warn", (f"this torch has kernels for {' '.join(arch_list)} only: install a torch build "
+                                   f"that supports compute {d['capability']}")
+        report.add(f"gpu{d['index']}", status, f"GPU {d['index']}: {d['name']}, {human_bytes(d['total_bytes'])} "
+                   f"({human_bytes(d['free_bytes'])} free), compute {d['capability']}", fix, **d)
     if nccl is None:
         report.add("nccl", "fail", "NCCL: not in this torch build", "install a CUDA build of torch with NCCL "
                    "(the pip wheels from pytorch.org have it)", version=None)
@@ -220,18 +187,15 @@ def nccl_version(torch):
 
 
 def kernels_for(capability, arch_list):
-    """Whether a torch built for arch_list (sm_80, compute_90, ...) can run on a GPU of this capability."""
-    major, minor = map(int, capability.split("."))
-    if not arch_list:
-        return True  # unknown: do not guess
-    for arch in arch_list:
+    """Whether a torch built for arch_list (sm_80, compute_90, ...) runs on a GPU of this capability: cubins on
+    later minors of their major, PTX compiled for any newer GPU. An unknown list or name: do not guess."""
+    have = tuple(map(int, capability.split(".")))
+    for arch in arch_list or ["unknown"]:
         match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
         if not match:
             return True
-        kind, a_major, a_minor = match.group(1), int(match.group(2)), int(match.group(3))
-        if kind == "sm" and a_major == major and a_minor <= minor:  # cubins run on later minors of a major
-            return True
-        if kind == "compute" and (a_major, a_minor) <= (major, minor):  # PTX is compiled for newer GPUs
+        built = int(match[2]), int(match[3])
+        if (match[1] == "sm" and built[0] == have[0] and built <= have) or (match[1] == "compute" and built <= have):
             return True
     return False
 
@@ -264,27 +228,21 @@ def check_environment(report, torch, available, count):
                                    f"(CUDA stops at the first invalid one); see nvidia-smi -L")
         report.add("cuda_visible_devices", status, f"CUDA_VISIBLE_DEVICES={visible}", fix, value=visible)
 
-    names = sorted(k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))
-                   or k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"))
-    values = {k: os.environ[k] for k in names}
-    problems = []
-    for key, meaning in (("NCCL_P2P_DISABLE", "no direct GPU-to-GPU copies"),
-                         ("NCCL_SHM_DISABLE", "no shared-memory transport"),
-                         ("NCCL_IB_DISABLE", "no InfiniBand between nodes (harmless on one node)")):
-        if values.get(key, "0").strip() not in ("", "0"):
-            problems.append(f"{key}={values[key]} ({meaning}): all-reduce can be much slower; unset it unless it "
-                            f"works around a known hang")
-    for old in ("NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"):
-        if old in values:
-            problems.append(f"{old} is the old name: PyTorch reads TORCH_{old}")
+    values = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("NCCL_", "TORCH_NCCL_"))
+              or k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    problems = [f"{key}={values[key]} ({meaning}): all-reduce can be much slower; unset it unless it works around a "
+                f"known hang" for key, meaning in (("NCCL_P2P_DISABLE", "no direct GPU-to-GPU copies"),
+                                                   ("NCCL_SHM_DISABLE", "no shared-memory transport"),
+                                                   ("NCCL_IB_DISABLE", "no InfiniBand between nodes (harmless on "
+                                                                       "one node)"))
+                if values.get(key, "0").strip() not in ("", "0")]
+    problems += [f"{old} is the old name: PyTorch reads TORCH_{old}" for old in (
+        "NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG") if old in values]
     shown = " ".join(f"{k}={v}" for k, v in values.items()) or "none set (NCCL defaults)"
     report.add("nccl_env", "warn" if problems else "ok", f"NCCL/socket variables: {shown}",
                "; ".join(problems) or None, variables=values)
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads is None:
         report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS not set (run.sh / torchrun set it per "
@@ -300,7 +258,7 @@ def check_environment(report, torch, available, count):
 
 def check_bf16(report, torch):
     """Whether this CPU computes bf16 (train_ddp_amp.py on a CPU): utils.cpu_computes_bf16, as the script asks."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     import utils
     capability = torch.backends.cpu.get_cpu_capability()
     if utils.cpu_computes_bf16():
@@ -316,13 +274,13 @@ def check_engine(report):
     """The cluster engine this process runs under, from the variables each one sets, and how the scripts start
     there (docs/running.md#engines)."""
     env = os.environ.get
-    shared_store = env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
     status, fix = "ok", None
     if env("PET_RDZV_ENDPOINT"):  # training-operator's elasticPolicy
         engine = (f"Kubeflow PyTorchJob, elastic (c10d rendezvous at {env('PET_RDZV_ENDPOINT')}, PET_NNODES "
                   f"{env('PET_NNODES')}, PET_MAX_RESTARTS {env('PET_MAX_RESTARTS', '0')}): start torchrun, which "
                   f"reads PET_*")
-        if shared_store and env("PET_MAX_RESTARTS", "0") != "0" and env("PET_NNODES", "1").split(":")[-1] != "1":
+        if env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1" and env("PET_MAX_RESTARTS", "0") != "0" and \
+                env("PET_NNODES", "1").split(":")[-1] != "1":
             status, fix = "fail", ("restarts on several pods need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the "
                                    "scripts refuse without it): add it to the container's env (examples/)")
     elif env("PET_MASTER_ADDR") or (env("MASTER_ADDR") and env("RANK") and env("KUBERNETES_SERVICE_HOST")):
@@ -351,42 +309,36 @@ def check_shm(report):
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
-        report.add("shm", "skip", "/dev/shm: not present on this system (skipped)", total_bytes=None)
-        return
+        return report.add("shm", "skip", "/dev/shm: not present on this system (skipped)", total_bytes=None)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    message = f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)"
     status, fix = "ok", None
     if total < SHM_MIN:  # the scripts refuse, in one line, loader workers whose batches would not fit
         status, fix = "warn", ("DataLoader workers may run out of shared memory: in Kubernetes mount an emptyDir "
                                "with medium: Memory at /dev/shm (examples/), docker run --ipc=host or --shm-size=8g "
                                "(or train with fewer --workers)")
     elif free < SHM_MIN:
-        status, fix = "warn", ("nearly full: DataLoader workers may crash; remove stale files there "
-                               "(leftovers of killed runs)")
-    report.add("shm", status, message, fix, total_bytes=total, free_bytes=free)
+        status, fix = "warn", "nearly full: DataLoader workers may crash; remove stale files there (leftovers of " \
+                              "killed runs)"
+    report.add("shm", status, f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)", fix, total_bytes=total,
+               free_bytes=free)
 
 
 def bind_error(host, port):
     """The OSError binding (host, port) raises, or None if the port is free there. Tries IPv4 and IPv6."""
-    families = [(socket.AF_INET, host or "0.0.0.0")]
-    if not host and socket.has_ipv6:
-        families.append((socket.AF_INET6, "::"))
-    for family, address in families:
+    for family, address in [(socket.AF_INET, host or "0.0.0.0")] + [(socket.AF_INET6, "::")] * (not host):
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError:
             continue  # no IPv6 here
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no obstacle
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address, port))
-        except OSError as error:
-            if family == socket.AF_INET6 and error.errno == errno.EADDRNOTAVAIL:
-                continue
-            return error
-        finally:
-            sock.close()
+        with sock:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is no obstacle
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((address, port))
+            except OSError as error:
+                if not (family == socket.AF_INET6 and error.errno == errno.EADDRNOTAVAIL):
+                    return error
     return None
 
 
@@ -399,26 +351,21 @@ def check_network(report):
         return
     try:
         import hosts  # tools/hosts.py, beside this file: what run.sh uses
-    except Exception as error:
-        report.add("network", "skip", f"network: tools/hosts.py does not import ({type(error).__name__}) (skipped)")
-        return
-    try:
         plan = hosts.Plan(master_addr)
     except OSError as error:
-        report.add("network", "fail", str(error), "without it the nodes cannot meet")
-        return
+        return report.add("network", "fail", str(error), "without it the nodes cannot meet")
+    except Exception as error:
+        return report.add("network", "skip", f"network: tools/hosts.py does not import ({type(error).__name__}) "
+                          f"(skipped)")
     uses = f"--local-addr={plan.local_addr}" + "".join(f" {name}={plan.interface}" for name in (
         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if plan.interface)
     named = f" ({plan.target})" if plan.target != master_addr else ""
-    if plan.is_host:
-        message = f"MASTER_ADDR {master_addr}{named} is this machine: it hosts the rendezvous (run.sh: {uses})"
-    else:
-        message = (f"MASTER_ADDR {master_addr}{named} is another machine; this node reaches it from {plan.where()} "
-                   f"(run.sh: {uses})")
-    fix = None
-    if plan.loopback_name:
-        fix = (f"{master_addr} resolves to {plan.target}, a loopback address, here: give MASTER_ADDR as the address "
-               f"the other nodes reach this one at, or set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
+    message = (f"MASTER_ADDR {master_addr}{named} is this machine: it hosts the rendezvous (run.sh: {uses})"
+               if plan.is_host else f"MASTER_ADDR {master_addr}{named} is another machine; this node reaches it "
+               f"from {plan.where()} (run.sh: {uses})")
+    fix = (f"{master_addr} resolves to {plan.target}, a loopback address, here: give MASTER_ADDR as the address the "
+           f"other nodes reach this one at, or set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
+           if plan.loopback_name else None)
     report.add("network", "warn" if fix else "ok", message, fix, master_addr=master_addr, is_host=plan.is_host,
                local_addr=plan.local_addr, interface=plan.interface)
 
@@ -430,69 +377,61 @@ def check_network(report):
     try:
         addresses = hosts.resolve(name)
     except OSError as error:
-        report.add("hostname", "warn", f"hostname {name} does not resolve ({error.strerror or error})", breaks,
-                   hostname=name, addresses=[])
-        return
-    shown = ", ".join(addresses)
+        return report.add("hostname", "warn", f"hostname {name} does not resolve ({error.strerror or error})",
+                          breaks, hostname=name, addresses=[])
+    said = f"hostname {name} resolves to {', '.join(addresses)}"
     held = [address for address in addresses if hosts.holds(address)]
     if hosts.is_loopback(plan.local_addr) and not plan.loopback_name:
-        status, message, fix = "ok", f"hostname {name} resolves to {shown} (MASTER_ADDR is loopback: one machine)", None
+        status, message, fix = "ok", f"{said} (MASTER_ADDR is loopback: one machine)", None
     elif plan.local_addr in held:
-        status, message, fix = "ok", f"hostname {name} resolves to {shown}, the address this node uses", None
+        status, message, fix = "ok", f"{said}, the address this node uses", None
     elif held and all(hosts.is_loopback(address) for address in held):
-        status, message, fix = "warn", f"hostname {name} resolves to {shown}, a loopback address: other machines " \
-                                       f"cannot connect there", breaks
+        status, message, fix = "warn", f"{said}, a loopback address: other machines cannot connect there", breaks
     elif held:
-        status, message, fix = "warn", f"hostname {name} resolves to {shown}, not to the address that reaches " \
-                                       f"MASTER_ADDR ({plan.where()}): other machines cannot connect there", breaks
+        status, message, fix = "warn", (f"{said}, not to the address that reaches MASTER_ADDR ({plan.where()}): "
+                                        f"other machines cannot connect there"), breaks
     else:
-        status, message, fix = "warn", f"hostname {name} resolves to {shown}, which this machine does not hold: " \
-                                       f"other machines cannot connect there", breaks
+        status, message, fix = "warn", f"{said}, which this machine does not hold: other machines cannot " \
+                                       f"connect there", breaks
     report.add("hostname", status, message, fix, hostname=name, addresses=addresses)
 
 
 def check_port(report):
     addr, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if port_text is None:
-        busy = bind_error("", DEFAULT_PORT)
         message = "MASTER_PORT not set: torchrun --standalone (bash run.sh ddp) picks a free port"
-        if busy:
-            report.add("port", "warn", message + f"; the default {DEFAULT_PORT} is in use",
-                       "launches without --standalone need another port: MASTER_PORT=29501 or --master-port",
-                       port=None, default_port_free=False)
-        else:
-            report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None,
-                       default_port_free=True)
-        return
+        if bind_error("", DEFAULT_PORT):
+            return report.add("port", "warn", message + f"; the default {DEFAULT_PORT} is in use", "launches "
+                              "without --standalone need another port: MASTER_PORT=29501 or --master-port",
+                              port=None, default_port_free=False)
+        return report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None,
+                          default_port_free=True)
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        report.add("port", "fail", f"MASTER_PORT={port_text!r} is not a port number",
-                   "set MASTER_PORT to a free port between 1024 and 65535, e.g. 29500", port=port_text)
-        return
-    port = int(port_text)
-    local = True
+        return report.add("port", "fail", f"MASTER_PORT={port_text!r} is not a port number",
+                          "set MASTER_PORT to a free port between 1024 and 65535, e.g. 29500", port=port_text)
+    port, local = int(port_text), True
     if addr and addr not in ("localhost", "127.0.0.1", "::1"):
         try:
             address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
         except OSError as error:
-            report.add("port", "fail", f"MASTER_ADDR={addr} does not resolve ({error.strerror or error})",
-                       "set MASTER_ADDR to the IP address (or resolvable name) of node 0", port=port)
-            return
+            return report.add("port", "fail", f"MASTER_ADDR={addr} does not resolve ({error.strerror or error})",
+                              "set MASTER_ADDR to the IP address (or resolvable name) of node 0", port=port)
         error = bind_error(address, 0)
         local = not (error and error.errno == errno.EADDRNOTAVAIL)
     if not local:
+        status, fix = "ok", None
         try:
             socket.create_connection((addr, port), timeout=2).close()
-            note, status, fix = "something is listening there already (node 0's rendezvous?)", "ok", None
+            note = "something is listening there already (node 0's rendezvous?)"
         except ConnectionRefusedError:
-            note, status, fix = "nothing listens there yet (normal before node 0 starts)", "ok", None
+            note = "nothing listens there yet (normal before node 0 starts)"
         except (socket.timeout, TimeoutError):
             note, status, fix = "no answer within 2 s", "warn", ("a firewall may block it: open the port on node 0, "
                                                                  "or check MASTER_ADDR")
         except OSError as error:
             note, status, fix = f"{error.strerror or error}", "warn", "check MASTER_ADDR: no machine answers for it"
-        report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: {note}", fix,
-                   port=port, local=False)
-        return
+        return report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: {note}",
+                          fix, port=port, local=False)
     error = bind_error("", port)
     if error is None:
         report.add("port", "ok", f"MASTER_PORT {port} is free", port=port, local=True)
@@ -506,89 +445,63 @@ def check_port(report):
 
 
 # ------------------------------------------------------------------------------------------- the all-reduce
-def start_allreduce(torch, backend, nproc, size_mib, timeout, workdir):
-    """Hold a TCPStore on 127.0.0.1 and start nproc worker processes; return what finish_allreduce needs."""
+def start_allreduce(backend, nproc, size_mib, timeout, workdir):
+    """Hold a TCPStore on 127.0.0.1 and start nproc processes (torch.multiprocessing); what finish_allreduce needs."""
     import torch.distributed as dist
+    import torch.multiprocessing
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its notes on ending the others
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    procs = []
-    for rank in range(nproc):
-        out = open(os.path.join(workdir, f"rank{rank}.out"), "w+")
-        err = open(os.path.join(workdir, f"rank{rank}.err"), "w+")
-        cmd = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(rank), str(nproc), str(store.port),
-               backend, str(size_mib), str(timeout)]
-        procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL), out, err))
-    return {"store": store, "procs": procs, "backend": backend, "nproc": nproc, "size_mib": size_mib,
+    result = os.path.join(workdir, "allreduce.json")
+    processes = torch.multiprocessing.start_processes(allreduce_worker, (
+        nproc, store.port, backend, size_mib, timeout, result), nprocs=nproc, join=False, start_method="spawn")
+    return {"store": store, "processes": processes, "backend": backend, "nproc": nproc, "result": result,
             "deadline": time.monotonic() + timeout + 30, "timeout": timeout}  # + 30 s to import torch
 
 
 def finish_allreduce(report, job):
-    backend, nproc, procs = job["backend"], job["nproc"], job["procs"]
+    import torch.multiprocessing
+    backend, nproc = job["backend"], job["nproc"]
     what = f"all-reduce {backend}, {nproc} process{'es' if nproc > 1 else ''}"
-    try:  # wait for all to succeed, one to fail (the others would wait for it until the timeout), or the deadline
-        while True:
-            codes = [p.poll() for p, _, _ in procs]
-            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is not None or all(code == 0 for code in codes) or time.monotonic() > job["deadline"]:
-                break
-            time.sleep(0.05)
-        timed_out = failed is None and not all(code == 0 for code in codes)
-    finally:
-        for p, _, _ in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    outputs = []
-    for p, out, err in procs:
-        out.seek(0), err.seek(0)
-        outputs.append((out.read(), err.read()))
-        out.close(), err.close()
-    job["store"] = None
-
-    fix_net = ("if it is the network: GLOO_SOCKET_IFNAME=lo (gloo) or NCCL_SOCKET_IFNAME=lo, and check that "
-               "`hostname -i` gives a local address")
-    if backend == "nccl":
-        fix_net += "; NCCL_DEBUG=INFO shows what NCCL tried"
-    if timed_out:
-        report.add("allreduce", "fail", f"{what}: no result within {job['timeout'] + 30} s (killed)", fix_net,
-                   backend=backend, world_size=nproc)
-        return
-    if failed is not None:
-        err = outputs[failed][1].strip().splitlines()
-        last = next((line for line in reversed(err) if re.match(r"^[\w.]*(Error|Exception)\b", line)),
-                    err[-1] if err else f"exit status {procs[failed][0].returncode}")
-        last = re.sub(r"\[enforce fail at [^\]]*\]\s*", "", last)  # gloo's source location
-        report.add("allreduce", "fail", f"{what}: rank {failed} failed: {last[:200]}", fix_net,
-                   backend=backend, world_size=nproc, error=last)
-        return
-    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    fix = ("if it is the network: GLOO_SOCKET_IFNAME=lo (gloo) or NCCL_SOCKET_IFNAME=lo, and check that "
+           "`hostname -i` gives a local address") + ("; NCCL_DEBUG=INFO shows what NCCL tried" if backend == "nccl"
+                                                     else "")
+    try:  # all succeed, one fails (the context then ends the others), or the deadline passes
+        while not job["processes"].join(timeout=max(0.0, job["deadline"] - time.monotonic())):
+            if time.monotonic() >= job["deadline"]:
+                for process in job["processes"].processes:
+                    process.kill()
+                return report.add("allreduce", "fail", f"{what}: no result within {job['timeout'] + 30} s (killed)",
+                                  fix, backend=backend, world_size=nproc)
+    except torch.multiprocessing.ProcessException as error:  # its message ends with the rank's exception
+        last = re.sub(r"\[enforce fail at [^\]]*\]\s*", "", str(error).strip().splitlines()[-1])  # gloo's source
+        return report.add("allreduce", "fail", f"{what}: rank {error.error_index} failed: {last[:200]}", fix,
+                          backend=backend, world_size=nproc, error=last)
+    result = json.loads(Path(job["result"]).read_text())
     status, fix = "ok", None
     if backend == "nccl" and nproc > 1 and result["busbw_gbps"] < SLOW_NCCL_BUSBW:
         status, fix = "warn", (f"slower than PCIe ({SLOW_NCCL_BUSBW:g} GB/s): check NCCL_P2P_DISABLE / "
                                f"NCCL_SHM_DISABLE, nvidia-smi topo -m, and NCCL_DEBUG=INFO")
     message = (f"{what}: latency {result['latency_us']:.0f} us ({result['small_bytes']} B), "
                f"busbw {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s, "
-               f"{human_bytes(result['size_bytes'])})")
-    if nproc == 1:
-        message += ": one process, nothing crosses a link"
+               f"{human_bytes(result['size_bytes'])})") + (": one process, nothing crosses a link" if nproc == 1 else "")
     report.add("allreduce", status, message, fix, **result)
 
 
-def allreduce_worker(rank, world_size, port, backend, size_mib, timeout):
-    """One rank of the all-reduce check; rank 0 prints the results as one JSON line."""
+def allreduce_worker(rank, world_size, port, backend, size_mib, timeout, result):
+    """One rank of the all-reduce check; rank 0 writes the results as JSON to `result`."""
+    for fd in (1, 2):  # the report's lines only: gloo's and NCCL's own logging goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
     import torch
     import torch.distributed as dist
     timeout = timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    if backend == "nccl":
-        device = torch.device("cuda", rank)
+    gpu = backend == "nccl"
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device)
-        sync = torch.cuda.synchronize
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        sync = lambda: None  # noqa: E731 (gloo's all_reduce on CPU tensors returns when it is done)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            **({"device_id": device} if gpu else {}))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)  # gloo's CPU all_reduce returns when it is done
 
     def timed(tensor, warmup, iterations):
         for _ in range(warmup):
@@ -603,29 +516,24 @@ def allreduce_worker(rank, world_size, port, backend, size_mib, timeout):
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    # correctness first: every rank must end with 1 + 2 + ... + world_size
-    check = torch.full((1024,), float(rank + 1), device=device)
+    check = torch.full((1024,), float(rank + 1), device=device)  # correctness first: 1 + 2 + ... + world_size
     dist.all_reduce(check)
-    expected = world_size * (world_size + 1) / 2
-    if not torch.all(check == expected):
-        raise RuntimeError(f"all-reduce gave {check[0].item()}, expected {expected}")
-
+    if not torch.all(check == world_size * (world_size + 1) / 2):
+        raise RuntimeError(f"all-reduce gave {check[0].item()}, expected {world_size * (world_size + 1) / 2}")
     small = torch.zeros(2, device=device)  # 8 bytes, as nccl-tests starts
-    gpu = backend == "nccl"
     latency = timed(small, 10, 200 if gpu else 50)
     big = torch.zeros(size_mib * MiB // 4, device=device)
     seconds = timed(big, 3 if gpu else 1, 20 if gpu else 5)
-    # the slowest rank decides
-    worst = torch.tensor([latency, seconds], dtype=torch.float64, device=device)
+    worst = torch.tensor([latency, seconds], dtype=torch.float64, device=device)  # the slowest rank decides
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     latency, seconds = worst.tolist()
     dist.destroy_process_group()
     if rank == 0:
-        algbw = big.numel() * big.element_size() / seconds / 1e9
-        print(json.dumps({"backend": backend, "world_size": world_size, "small_bytes": small.numel() * 4,
-                          "latency_us": latency * 1e6, "size_bytes": big.numel() * 4, "seconds": seconds,
-                          "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world_size - 1) / world_size}),
-              flush=True)
+        algbw = big.numel() * 4 / seconds / 1e9
+        Path(result).write_text(json.dumps({
+            "backend": backend, "world_size": world_size, "small_bytes": small.numel() * 4,
+            "latency_us": latency * 1e6, "size_bytes": big.numel() * 4, "seconds": seconds, "algbw_gbps": algbw,
+            "busbw_gbps": algbw * 2 * (world_size - 1) / world_size}))
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -646,24 +554,22 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    started = time.monotonic()
-    report = Report()
+    started, report = time.monotonic(), Report()
     try:
         import torch
+        import torch.distributed as dist
     except Exception as error:
         report.add("torch", "fail", f"torch does not import ({type(error).__name__}: {error})",
                    "pip install -r requirements.txt (or let bash run.sh make .venv)")
         return finish(report, args, started)
-
     available, count, why = cuda_state(torch)
     backend = "nccl" if available else "gloo"
     nproc = args.nproc or (count if available else 2)
+    usable = dist.is_available() and (dist.is_nccl_available() if available else dist.is_gloo_available())
     job = None
-    import torch.distributed as dist
-    usable = dist.is_available() and (dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available())
     with tempfile.TemporaryDirectory(prefix="doctor-") as workdir:
-        if not args.no_allreduce and usable and not (backend == "nccl" and nproc > count):
-            job = start_allreduce(torch, backend, nproc, args.size, args.timeout, workdir)  # runs meanwhile
+        if not args.no_allreduce and usable and not (available and nproc > count):
+            job = start_allreduce(backend, nproc, args.size, args.timeout, workdir)  # runs meanwhile
         try:
             for name, check, *check_args in (("versions", check_versions, torch),
                                              ("gpus", check_gpus, torch, available, count, why),
@@ -679,15 +585,14 @@ def main(argv=None):
         finally:
             if job:
                 finish_allreduce(report, job)
-    if not job:
-        if args.no_allreduce:
-            report.add("allreduce", "skip", "all-reduce: skipped (--no-allreduce)")
-        elif not usable:
-            report.add("allreduce", "fail", f"all-reduce: the {backend} backend is not available",
-                       "install the pytorch.org wheels", backend=backend)
-        else:
-            report.add("allreduce", "fail", f"all-reduce: --nproc {nproc} but {count} GPU(s) visible",
-                       "use one process per GPU", backend=backend)
+    if args.no_allreduce:
+        report.add("allreduce", "skip", "all-reduce: skipped (--no-allreduce)")
+    elif not usable:
+        report.add("allreduce", "fail", f"all-reduce: the {backend} backend is not available",
+                   "install the pytorch.org wheels", backend=backend)
+    elif not job:
+        report.add("allreduce", "fail", f"all-reduce: --nproc {nproc} but {count} GPU(s) visible",
+                   "use one process per GPU", backend=backend)
     return finish(report, args, started)
 
 
@@ -706,8 +611,4 @@ def finish(report, args, started):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
-        rank, world, port, backend, size, timeout = sys.argv[2:8]
-        allreduce_worker(int(rank), int(world), int(port), backend, int(size), int(timeout))
-    else:
-        sys.exit(main())
+    sys.exit(main())
