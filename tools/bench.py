@@ -3,34 +3,31 @@
     bash run.sh bench [N] [--quick | --tiny] [--repeats R] [--output-dir DIR]   # N: processes of the DDP rows
     bash run.sh bench --gpu-only [--gpu-budget S]                               # the GPU rows alone (gpucheck)
 
-Every training row is timed the same way: the script runs as a user runs it (python SCRIPT, or torchrun for the DDP
-rungs; no wrapper), for 2 epochs of the demo data with its defaults (resnet18, 64 px, batch 32 per process), the
-threads set as run.sh sets them (all the cores for one process, cores / N each for N), and its figure is the second
-epoch's images over that epoch's training time, summed from its progress lines (the first epoch warms up;
-evaluation and checkpoints are left out). The other rows are timed in this process with torch.utils.benchmark
-(blocked_autorange; the mean time per call, the garbage collector on, as in the scripts):
-  compute limit   the training step alone on in-memory tensors (same model, batch and threads): nothing that also
-                  loads data reaches it
+Every training row, and every limit that bounds one, is timed the same way: the script runs as a plain subprocess
+(python SCRIPT, or torchrun for the DDP rungs), with the same flags (resnet18, 64 px, batch 32 per process, 2 epochs
+of the demo data), the threads as run.sh sets them (all the cores for one process, cores / N each for N), and its
+figure is the second epoch's images over that epoch's training time, summed from its own progress lines (the first
+epoch warms up; evaluation and checkpoints are left out). Rows:
+  compute limit   train_single.py with its build_datasets() replaced (as docs/adapting.md tells a user to) by
+                  random uint8 images already in memory, as many and as large: the same script and loop with
+                  nothing to decode, so that single and dp cannot beat it by being timed differently
   single, dp      train_single.py and train_dp.py (unwrapped on a CPU), against the limit
   ddp N           train_ddp_torchrun.py under torchrun, against single on the same cores
-  amp N           train_ddp_amp.py (bf16), against ddp; skipped, with why, on a CPU without bf16 arithmetic
+  amp N           train_ddp_amp.py --amp-dtype bf16, against ddp; skipped, with why, on a CPU without bf16 arithmetic
   accum 4         ddp N --accum-steps 4 (no_sync) against ddp N, beside its ceiling: ddp N with one all-reduce
                   per epoch (--accum-steps = the epoch's micro-batches), the most that skipping all-reduces gives
   loaders         the project's training data path (builtin.ImageFiles read through utils.SeededItems) against
                   the textbook ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, on the same
-                  files, one thread: the demo data at 64 px, and generated 12 MP photo-like JPEGs at 224 px
+                  files, one thread, timed in this process by torch.utils.benchmark (blocked_autorange): the demo
+                  data at 64 px, and generated 12 MP photo-like JPEGs at 224 px
   start-up        train_single.py's first progress line after its start, less its import of torch and torchvision
-                  (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every row runs with)
-The rows run --repeats times (3; 1 with --quick), in alternating order; a figure is the median over the repetitions,
-a ratio the median of the ratios within each. "others": the cores that processes not started by the bench used
-during a row (/proc/stat): above ~0.1, others slowed it. On a CUDA machine the GPU rows follow (on a CPU one line
-says they were skipped):
-  GPU rows        resnet50 at 224 px: the compute limit at batch 256 in fp32, TF32, bf16 autocast, bf16 +
-                  channels_last and bf16 without cudnn.benchmark; amp 1 on 2,000 generated ImageNet-sized JPEGs with
-                  the default --workers and fewer; the project's and the textbook pipeline feeding the same bf16
-                  step; train_single.py; GPU JPEG decoding. Each within a time limit; a row that no longer fits
-                  --gpu-budget is skipped and named; a row that crashes makes the exit status 1.
-Results: a markdown table on stdout and <output-dir>/bench.json.
+                  (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every training row runs with)
+The rows run --repeats times (3; 1 with --quick or --tiny), in alternating order; a figure is the median over the
+repetitions, a ratio the median of the ratios within each. "others": the cores that processes not started by the
+bench used during a row (/proc/stat): above ~0.1, others slowed it. On a CUDA machine the GPU rows follow (resnet50
+at 224 px on 2,000 generated ImageNet-sized JPEGs: amp 1 and train_single.py, each beside its in-memory limit, amp 1
+with fewer loader workers), each within a time limit; a row that no longer fits --gpu-budget is skipped and named,
+a row that crashes makes the exit status 1. Results: a markdown table on stdout and <output-dir>/bench.json.
 """
 import argparse
 import contextlib
@@ -58,9 +55,8 @@ PROGRESS = re.compile(r"epoch (\d+)/\d+\s+step (\d+)/\d+\s+loss \S+\s+lr \S+\s+(
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| +(torch|torchvision)$")  # cumulative microseconds
 TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0,
            "photo_loader_speedup": 3.5, "startup_s": 1.0}
-GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 256  # the compute limit's batch: fills a GPU, not an H200's memory
-GPU_E2E_BATCH, GPU_WORKERS, GPU_JPEGS = 96, (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
-GPU_LIMIT_MODES = ("fp32", "tf32", "bf16", "bf16_channels_last", "bf16_without_cudnn_benchmark")
+GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 96
+GPU_WORKERS, GPU_JPEGS = (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
 
 
 # ------------------------------------------------------------------------------------------ running a process
@@ -88,7 +84,8 @@ def run_process(cmd, threads, timeout, **env):
     """Run cmd in a session of its own (never our terminal's signals) to its end: ([(seconds, stdout line)], stderr,
     other cores). Its threads as run.sh would set them; a run that fails raises RuntimeError with its tail. Every
     process a run starts is reaped by its parent (the ranks' by torchrun), so their CPU time counts as ours."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **env)
+    # PYTHONPATH: the in-memory copies of the scripts import utils and builtin from here, as the scripts do
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **env)
     env.pop("TORCHELASTIC_MAX_RESTARTS", None)  # a measured run never restarts
     before, start, expired = cpu_sample(), time.perf_counter(), threading.Event()
     with tempfile.TemporaryFile("w+") as err:
@@ -115,13 +112,6 @@ def run_process(cmd, threads, timeout, **env):
         raise RuntimeError(f"{f'timed out after {timeout} s' if expired.is_set() else f'exit {proc.returncode}'}: "
                            f"{' '.join(map(str, cmd))}\n" + "\n".join(tail))
     return lines, stderr, other_cores(before)
-
-
-def child(call, threads, timeout):
-    """bench.<call> in a fresh process (python -c), for the GPU rows: its JSON result (the last line it printed)."""
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench; bench.{call}"
-    lines, _, _ = run_process([sys.executable, "-c", code], threads, timeout)
-    return json.loads(lines[-1][1])
 
 
 def train(cmd, threads, timeout, output_dir):
@@ -153,32 +143,6 @@ def timed(call, threads, seconds):
     call()  # the first: oneDNN's kernels chosen, files read into the cache
     timer = Timer("call()", setup="gc.enable()", globals={"call": call, "gc": gc}, num_threads=threads)
     return timer.blocked_autorange(min_run_time=seconds).mean
-
-
-def training_step(device, img_size, batch, num_classes, model=MODEL, layout=None, autocast=False):
-    """The training step alone (forward, backward, SGD step) on a batch of tensors already on the device."""
-    import torch
-    import torch.nn.functional as F
-    import builtin
-    torch.manual_seed(0)
-    net = builtin.resnet(model, num_classes).to(device, memory_format=layout or torch.contiguous_format).train()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1 * batch / 256, momentum=0.9, weight_decay=1e-4)
-    images = torch.randn(batch, 3, img_size, img_size, device=device).contiguous(memory_format=layout or
-                                                                                torch.contiguous_format)
-    labels = torch.randint(0, num_classes, (batch,), device=device)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = F.cross_entropy(net(images), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
-def compute_limit(device, threads, seconds, num_classes):
-    with_tensors = training_step(device, IMG_SIZE, BATCH, num_classes)
-    return {"img_s": BATCH / timed(with_tensors, threads, seconds)}
 
 
 def loaders(root, img_size, batch, seconds, epoch, order):
@@ -222,6 +186,36 @@ def write_jpeg(path, size, seed):
     ImageChops.add(colours.resize(size, Image.Resampling.BICUBIC), noise, offset=-128).save(path, quality=90)
 
 
+IN_MEMORY = '''def build_datasets(args):
+    """bench.py's compute limit: random uint8 images already in memory, as many and as large as the real ones."""
+    import builtin
+    classes, train_samples, val_samples = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
+
+    class InMemory(torch.utils.data.Dataset):
+        def __init__(self, count):
+            self.images = torch.randint(0, 256, (count, 3, args.img_size, args.img_size), dtype=torch.uint8)
+            self.labels = torch.randint(0, len(classes), (count,)).tolist()
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, index):
+            return self.images[index], self.labels[index]
+    return InMemory(len(train_samples)), InMemory(len(val_samples)), classes
+
+
+'''
+
+
+def in_memory(script, folder):
+    """A copy of script whose build_datasets() gives images already in memory: the step with nothing to load."""
+    source = (REPO / script).read_text()
+    start, end = source.index("def build_datasets("), source.index("def build_model(")
+    path = Path(folder) / f"in_memory_{script}"
+    path.write_text(source[:start] + IN_MEMORY + source[end:])
+    return path
+
+
 # ------------------------------------------------------------------------------------------ the CPU (and everyday) rows
 def measure(opts, cores, tmp):
     import torch
@@ -232,7 +226,7 @@ def measure(opts, cores, tmp):
     nproc, threads = opts.nproc or (gpus if cuda else 2), cores
     per_proc = 1 if cuda else max(1, threads // nproc)
     repeats = opts.repeats or (1 if opts.quick or opts.tiny else 3)
-    seconds = 0.3 if opts.tiny else 3.0 if opts.quick else 5.0  # each row timed in this process
+    seconds = 0.3 if opts.tiny else 3.0 if opts.quick else 5.0  # each loader row
     data = builtin.demo_data()
     if opts.tiny:  # the first 20 images of each class, linked, so that an epoch takes a second
         data, demo = tmp / "tiny-data", data
@@ -244,41 +238,36 @@ def measure(opts, cores, tmp):
     photos = tmp / "photos"
     make_jpegs(photos, 1 if opts.tiny else 6, PHOTO_SIZE)
 
-    py, epochs = sys.executable, ["--epochs", "2", "--print-freq", "10" if cuda else "1"]
-    settings = ["--data-path", data, "--img-size", str(IMG_SIZE), "-b", str(BATCH)] if opts.tiny else []
+    py = sys.executable
+    flags = ["--data-path", data, "--img-size", IMG_SIZE, "-b", BATCH, "--epochs", 2, "--print-freq", 10 if cuda else 1]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     micro_batches = len(train_samples) // nproc // BATCH  # per process and epoch
-    scripts = {"single": ([py, "train_single.py"], threads), "dp": ([py, "train_dp.py"], threads),
+    scripts = {"limit": ([py, in_memory("train_single.py", tmp)], threads),
+               "single": ([py, "train_single.py"], threads), "dp": ([py, "train_dp.py"], threads),
                "ddp": (torchrun + ["train_ddp_torchrun.py"], per_proc),
-               "accum": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", "4"], per_proc),
-               "ceiling": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", str(micro_batches)], per_proc),
-               "amp": (torchrun + ["train_ddp_amp.py"], per_proc)}
+               "accum": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", 4], per_proc),
+               "ceiling": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", micro_batches], per_proc),
+               "amp": (torchrun + ["train_ddp_amp.py", "--amp-dtype", "bf16"], per_proc)}
     skipped = {}
+    if opts.tiny:  # the same launch and parsing as single and accum: left out to keep the smoke test short
+        skipped["dp"] = skipped["ceiling"] = "--tiny (timed as the row above it is)"
     if micro_batches < 4:
         skipped["accum"] = skipped["ceiling"] = (f"{len(train_samples)} training images are too few for {nproc} "
                                                  f"processes x batch {BATCH} x 4 accumulation steps")
-    if not cuda and not utils.cpu_computes_bf16():
-        skipped["amp"] = (f"this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for "
-                          f"{torch.backends.cpu.get_cpu_capability()}: emulated, bf16 runs 10-30x slower than fp32), "
-                          f"so train_ddp_amp.py refuses its default; train in fp32 here (the ddp row)")
-    runs = {name: [] for name in ("limit", *scripts, "loader", "photos") if name not in skipped}
+    if not cuda and not utils.cpu_computes_bf16():  # emulated bf16 runs 10-30x slower than fp32: nothing to learn
+        skipped["amp"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
+    runs = {name: [] for name in (*scripts, "loader", "photos") if name not in skipped}
     for rep in range(repeats):
         for name in list(runs) if rep % 2 == 0 else list(runs)[::-1]:  # a drift of the machine hits both sides
             print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
-            if name == "limit":
-                before = cpu_sample()
-                runs[name].append({**compute_limit(device, threads, seconds, len(classes)), "others":
-                                   other_cores(before)})
-            elif name in ("loader", "photos"):
+            if name in ("loader", "photos"):
                 order = ("project", "textbook") if rep % 2 == 0 else ("textbook", "project")
                 runs[name].append(loaders(data, IMG_SIZE, BATCH, seconds, rep, order) if name == "loader" else
                                   loaders(photos, PHOTO_IMG, 1, seconds, rep, order))
             else:
                 cmd, count = scripts[name]
-                runs[name].append(train(cmd + epochs + settings, count, opts.timeout, tmp / f"{name}-{rep}"))
-            if cuda:
-                torch.cuda.empty_cache()
-    return summarize(opts, runs, skipped, dict(
+                runs[name].append(train(cmd + flags, count, opts.timeout, tmp / f"{name}-{rep}"))
+    return summarize(runs, skipped, dict(
         nproc=nproc, device=device.type, threads_single=threads, threads_per_process=per_proc, repeats=repeats,
         quick=opts.quick, tiny=opts.tiny, img_size=IMG_SIZE, batch_per_process=BATCH, model=MODEL,
         train_images=len(train_samples), ceiling_accum_steps=micro_batches),
@@ -290,7 +279,7 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def summarize(opts, runs, skipped, config, machine):
+def summarize(runs, skipped, config, machine):
     def figure(name, key="img_s"):
         return median(run.get(key) for run in runs.get(name, []))
 
@@ -308,9 +297,9 @@ def summarize(opts, runs, skipped, config, machine):
          "amp_img_s": figure("amp"), "amp_ratio": rep_ratio("amp_ratio", "amp", "ddp"),
          "accum_img_s": figure("accum"), "accum_speedup": rep_ratio("accum_speedup", "accum", "ddp"),
          "ceiling_img_s": figure("ceiling"), "accum_ceiling": rep_ratio("accum_ceiling", "ceiling", "ddp"),
-         "loader_img_s": figure("loader"), "classic_loader_img_s": figure("loader", "textbook_img_s"),
+         "loader_img_s": figure("loader"), "textbook_loader_img_s": figure("loader", "textbook_img_s"),
          "loader_speedup": figure("loader", "speedup"),
-         "photo_loader_img_s": figure("photos"), "photo_classic_loader_img_s": figure("photos", "textbook_img_s"),
+         "photo_loader_img_s": figure("photos"), "photo_textbook_loader_img_s": figure("photos", "textbook_img_s"),
          "photo_loader_speedup": figure("photos", "speedup"),
          "first_step_s": None if gpu else figure("single", "first_step_s"), "import_s": figure("single", "import_s"),
          "skipped": skipped}
@@ -323,7 +312,6 @@ def summarize(opts, runs, skipped, config, machine):
                     "python": platform.python_version(), "platform": platform.platform()}
     r["config"], r["runs"] = config, runs
     return r
-
 
 def cpu_model():
     try:
@@ -352,19 +340,19 @@ def table(r):
         return f"{'met' if t['met'] else 'missed'} ({'<=' if key == 'startup_s' else '>='} {t['target']})"
 
     def row(label, place, name, ratio_label="", ratio_key=None, key="img_s"):
-        if name in r["skipped"]:
-            return [label, place, "skipped", "-", "", "", "", "-"]
+        if name in r["skipped"]:  # the reason where the figure would be: a skipped row reads as one
+            return [label, place, f"skipped: {r['skipped'][name]}", "-", ratio_label, "-", "", "-"]
         rs = runs.get(name, [])
         return [label, place, fmt(median(x.get(key) for x in rs)), " ".join(fmt(x.get(key)) for x in rs),
                 ratio_label, fmt(r.get(ratio_key), 2) if ratio_key else "", verdict(ratio_key),
                 fmt(median(x.get("others") for x in rs), 2)]
     one, many = where(1, c["threads_single"]), where(n, c["threads_per_process"])
-    rows = [row("compute limit: the step on in-memory tensors", one, "limit"),
+    rows = [row("compute limit: train_single.py, data in memory", one, "limit"),
             row("train_single.py", one, "single", "single / limit", "single_ratio"),
             row("train_dp.py", one, "dp", "dp / limit", "dp_ratio"),
             row(f"ddp {n}: train_ddp_torchrun.py", many, "ddp",
                 "ddp / (N x single)" if c["device"] == "cuda" else "ddp / single", "ddp_ratio"),
-            row(f"amp {n}: train_ddp_amp.py (bf16)", many, "amp", "amp / ddp", "amp_ratio"),
+            row(f"amp {n}: train_ddp_amp.py --amp-dtype bf16", many, "amp", "amp / ddp", "amp_ratio"),
             row(f"ddp {n} --accum-steps 4 (no_sync)", many, "accum", "accum 4 / ddp", "accum_speedup"),
             row(f"ceiling: ddp {n} --accum-steps {c['ceiling_accum_steps']} (one all-reduce an epoch)", many,
                 "ceiling", "ceiling / ddp", "accum_ceiling"),
@@ -384,9 +372,8 @@ def table(r):
              "| run | where | img/s | each repetition | ratio | value | target | others |",
              "|---|---|---:|---|---|---:|---|---:|"]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows] + [""]
-    lines.append("- training rows: the second of 2 epochs, from the scripts' own progress lines; the limit and the "
-                 "data rows: torch.utils.benchmark in this process (the mean time per call)")
-    lines += [f"- {name} skipped: {why}" for name, why in r["skipped"].items() if name != "ceiling"]
+    lines.append("- training rows and the limit: the second of 2 epochs, from the scripts' own progress lines; "
+                 "the data rows: torch.utils.benchmark in this process (the mean time per call)")
     lines.append(f"- start-up: first step {fmt(r['first_step_s'], 2)} s after the process started, of which "
                  f"{fmt(r['import_s'], 2)} s importing torch and torchvision")
     lines.append("- others: cores that processes not started by the bench used during the row (median): above ~0.1 "
@@ -395,80 +382,11 @@ def table(r):
 
 
 # ------------------------------------------------------------------------------------------ GPU rows
-def gpu_limits(modes):
-    """resnet50's training step on tensors already on the GPU, in each mode, one after the other (a child)."""
-    import torch
-    result = {"cuda": torch.cuda.is_available()}
-    for mode in modes if result["cuda"] else ():
-        # fp32 means fp32: cuDNN allows TF32 for convolutions by default (torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode != "fp32"
-        # fixed shapes: let cuDNN time its algorithms once (the scripts do; the last mode shows what that buys)
-        torch.backends.cudnn.benchmark = mode != "bf16_without_cudnn_benchmark"
-        layout = torch.channels_last if mode == "bf16_channels_last" else None
-        step = training_step(torch.device("cuda"), GPU_IMG, GPU_BATCH, 1000, GPU_MODEL, layout,
-                             autocast=mode.startswith("bf16"))
-        start = time.perf_counter()
-        for _ in range(5):  # cuDNN's algorithm search
-            step()
-        torch.cuda.synchronize()
-        warmup = time.perf_counter() - start
-        result[mode] = {"img_s": GPU_BATCH / timed(step, 1, 3.0), "warmup_s": warmup,
-                        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        del step
-        torch.cuda.empty_cache()
-    print(json.dumps(result))
-
-
-def gpu_feed(pipeline, workers, folder):
-    """The bf16 resnet50 step fed by one pipeline's DataLoader, img/s over 12 steps after 4 (a child)."""
-    import torch
-    import torch.nn.functional as F
-    import torchvision
-    import torchvision.transforms as T
-    from torch.utils.data import DataLoader
-    import builtin
-    import utils
-    if pipeline == "project":  # asked for (epoch, index), as the scripts' EpochSampler does
-        _, train_samples, _ = builtin.find_images(folder, 0.2)
-        dataset = utils.SeededItems(builtin.ImageFiles(train_samples, GPU_IMG, train=True), seed=0)
-        order = utils.EpochSampler(torch.utils.data.RandomSampler(dataset))
-    else:
-        dataset = torchvision.datasets.ImageFolder(folder, T.Compose([
-            T.RandomResizedCrop(GPU_IMG), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
-        order = torch.utils.data.RandomSampler(dataset)
-    loader = DataLoader(dataset, GPU_E2E_BATCH, sampler=order, num_workers=workers, pin_memory=True, drop_last=True)
-    torch.backends.cudnn.benchmark = True
-    model = torchvision.models.get_model(GPU_MODEL, num_classes=10).cuda()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for done, (images, labels) in enumerate(loader):
-        if done == 4:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-        images, labels = images.cuda(non_blocking=True), labels.cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(utils.normalize(images) if images.dtype == torch.uint8 else images), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    print(json.dumps({"img_s": (done + 1 - 4) * GPU_E2E_BATCH / (time.perf_counter() - start)}))
-
-
-def gpu_decode(folder):
-    """torchvision.io.decode_jpeg(device="cuda") (nvJPEG) on batches of 64 of the generated JPEGs (a child)."""
-    import torchvision.io as io
-    data = [io.read_file(str(path)) for path in sorted(Path(folder).rglob("*.jpg"))[:256]]
-    batches = [data[i:i + 64] for i in range(0, len(data) - 63, 64)]
-    seconds = timed(lambda: [io.decode_jpeg(chunk, device="cuda") for chunk in batches], 1, 3.0)
-    print(json.dumps({"img_s": 64 * len(batches) / seconds}))
-
-
 def gpu_rows(opts, cores, tmp):
     """The GPU rows, the most telling first, each within its own time limit; a row that no longer fits in
-    --gpu-budget is skipped and named, so the whole part ends in time; {"skipped_all": why} without CUDA. A row that
-    crashes (as opposed to not fitting) is listed under "crashed", and the bench then exits with status 1. The
-    limits are a few times each row's expected time on one H200 with 16 cores. torch.compile is left out: a cold
-    compile of resnet50 takes minutes, more than the whole budget."""
+    --gpu-budget is skipped and named, so the whole part ends in time. A row that crashes (as opposed to not
+    fitting) is listed under "crashed", and the bench then exits with status 1. The limits are a few times each
+    row's expected time on one H200 with 16 cores."""
     deadline = time.perf_counter() + opts.gpu_budget
     rows, skipped, crashed = [], [], []
 
@@ -484,48 +402,35 @@ def gpu_rows(opts, cores, tmp):
             (skipped if first.startswith("timed out") else crashed).append(f"{what}: {first}")
             return None
 
-    limits = attempt("GPU compute limit", 90, lambda limit: child(f"gpu_limits({GPU_LIMIT_MODES!r})", cores, limit))
-    if limits and not limits["cuda"]:
-        return {"skipped_all": "no CUDA GPU on this machine"}
-    for mode in GPU_LIMIT_MODES:
-        rows.append({"row": f"compute limit {mode}, batch {GPU_BATCH}", **(limits[mode] if limits else {})})
     jpegs = tmp / "jpegs"
     made = attempt("ImageNet-sized JPEGs", 45, lambda limit: make_jpegs(jpegs, GPU_JPEGS, (500, 375), 10) or True)
     default = max(1, cores - 1)  # the scripts' default on one GPU: the cores less the one that trains
-    amp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train_ddp_amp.py"]
+    amp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
 
     def script(name, cmd, workers):
-        args = ["--data-path", jpegs, "--model", GPU_MODEL, "--img-size", GPU_IMG, "-b", GPU_E2E_BATCH, "--workers",
-                workers, "--epochs", "2", "--print-freq", "4"]
+        args = ["--data-path", jpegs, "--model", GPU_MODEL, "--img-size", GPU_IMG, "-b", GPU_BATCH, "--workers",
+                workers, "--epochs", 2, "--print-freq", 4]
         run = made and attempt(f"{name} --workers {workers}", 60,
-                               lambda limit: train(cmd + args, cores, limit, tmp / f"gpu-{name}-{workers}"))
-        rows.append({"row": f"{name} --workers {workers}, {GPU_IMG} px, batch {GPU_E2E_BATCH}",
-                     "img_s": run["img_s"] if run else None})
-    script("amp 1 (bf16)", amp, default)
-    for pipeline in ("project", "textbook"):
-        fed = made and attempt(f"{pipeline} pipeline feeding the bf16 step", 45,
-                               lambda limit: child(f"gpu_feed({pipeline!r}, {default}, {str(jpegs)!r})", cores, limit))
-        rows.append({"row": f"{pipeline} pipeline, {default} workers, feeding the bf16 step",
-                     "img_s": fed["img_s"] if fed else None})
-    for workers in [w for w in GPU_WORKERS if w < default]:
-        script("amp 1 (bf16)", amp, workers)
+                               lambda limit: train(cmd + args, cores, limit, tmp / f"gpu-{len(rows)}"))
+        rows.append({"row": f"{name} --workers {workers}", "img_s": run["img_s"] if run else None})
+    script("limit: amp 1 (bf16), data in memory", amp + [in_memory("train_ddp_amp.py", tmp), "--amp-dtype", "bf16"],
+           default)
+    script("amp 1 (bf16)", amp + ["train_ddp_amp.py", "--amp-dtype", "bf16"], default)
+    script("limit: train_single.py, data in memory", [sys.executable, in_memory("train_single.py", tmp)], default)
     script("train_single.py", [sys.executable, "train_single.py"], default)
-    decoded = made and attempt("GPU JPEG decode", 30, lambda limit: child(f"gpu_decode({str(jpegs)!r})", cores, limit))
-    rows.append({"row": "decode_jpeg(device=\"cuda\"), batches of 64 (500 x 375)",
-                 "img_s": decoded["img_s"] if decoded else None})
-    return {"model": GPU_MODEL, "img_size": GPU_IMG, "rows": rows, "skipped": skipped, "crashed": crashed,
-            "budget_s": opts.gpu_budget}
+    for workers in [w for w in GPU_WORKERS if w < default]:
+        script("amp 1 (bf16)", amp + ["train_ddp_amp.py", "--amp-dtype", "bf16"], workers)
+    return {"model": GPU_MODEL, "img_size": GPU_IMG, "batch": GPU_BATCH, "rows": rows, "skipped": skipped,
+            "crashed": crashed, "budget_s": opts.gpu_budget}
 
 
 def gpu_table(gpu):
     if "skipped_all" in gpu:
-        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px: precisions, loader cores, GPU JPEG decode): skipped, "
+        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px, each beside its in-memory limit): skipped, "
                 f"{gpu['skipped_all']} (bash run.sh gpucheck runs them on a GPU machine)")
-    lines = ["", f"# GPU rows: {gpu['model']}, {gpu['img_size']} px", "", "| run | img/s | warm-up s | max GiB |",
-             "|---|---:|---:|---:|"]
-    for row in gpu["rows"]:
-        lines.append(f"| {row['row']} | " + " | ".join(fmt(row.get(k)) for k in ("img_s", "warmup_s",
-                                                                                  "max_memory_gib")) + " |")
+    lines = ["", f"# GPU rows: {gpu['model']}, {gpu['img_size']} px, batch {gpu['batch']}", "", "| run | img/s |",
+             "|---|---:|"]
+    lines += [f"| {row['row']} | {fmt(row['img_s'])} |" for row in gpu["rows"]]
     return "\n".join(lines + [f"- not measured: {why}" for why in gpu["skipped"]] +
                      [f"- CRASHED: {why}" for why in gpu["crashed"]])
 
@@ -537,7 +442,7 @@ def main():
     parser.add_argument("--nproc", type=int, help="processes of the DDP rows (default: the GPUs, or 2 on a CPU)")
     parser.add_argument("--quick", action="store_true", help="one repetition, shorter timings (a smoke test)")
     parser.add_argument("--tiny", action="store_true", help="one repetition at a 32-pixel crop, batch 8, 20 demo "
-                        "images a class and one 12 MP photo: every row and figure, none of them telling (the tests)")
+                        "images a class and one 12 MP photo, without dp and the ceiling: no figure telling (the tests)")
     parser.add_argument("--repeats", type=int, help="repetitions of every row (default 3, 1 with --quick or --tiny)")
     parser.add_argument("--output-dir", default="runs/bench", help="where bench.json goes")
     parser.add_argument("--timeout", type=int, default=600, help="seconds any one training run may take")
@@ -555,7 +460,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         results = {"machine": {}} if opts.gpu_only else measure(opts, cores, Path(tmp))
         # on a CPU the everyday rows already said there is no GPU: no process started to find out again
-        cuda = opts.gpu_only or results["config"]["device"] == "cuda"
+        cuda = results["config"]["device"] == "cuda" if "config" in results else torch_sees_cuda()
         results["gpu"] = gpu_rows(opts, cores, Path(tmp)) if cuda else {"skipped_all": "no CUDA GPU on this machine"}
     results["wall_s"] = time.perf_counter() - started
     output_dir = Path(opts.output_dir)
@@ -569,6 +474,11 @@ def main():
         print(f"bench: {len(results['gpu']['crashed'])} GPU row(s) crashed (listed above)", file=sys.stderr)
         return 1
     return 0
+
+
+def torch_sees_cuda():
+    import torch
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

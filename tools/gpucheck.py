@@ -16,6 +16,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,8 +26,6 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-
-from bench import kill_tree  # the runs start launchers whose workers live in sessions of their own
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -79,6 +78,15 @@ def time_launches(folder, report):
     return costs, ok
 
 
+def kill(proc):
+    """SIGKILL a part's session; torchrun's ranks, in sessions of their own, follow their launcher (the parent-death
+    signal that utils.require_launcher sets)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_part(title, cmd, limit, report, quiet=False):
     """Run cmd (at most `limit` seconds), its output shown line by line as it comes (unless quiet) and added to the
     report; (its summary line, whether it passed, its seconds)."""
@@ -88,7 +96,7 @@ def run_part(title, cmd, limit, report, quiet=False):
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, PYTHON=sys.executable), start_new_session=True)
     timed_out = threading.Event()
-    timer = threading.Timer(limit, lambda: (timed_out.set(), kill_tree(proc)))
+    timer = threading.Timer(limit, lambda: (timed_out.set(), kill(proc)))
     timer.start()
     lines = []
     for line in proc.stdout:  # as it comes: what a part printed before it was killed is kept
