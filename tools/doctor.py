@@ -1,32 +1,22 @@
 """Check this machine for multi-GPU training: bash run.sh doctor [--json PATH] [--nproc N] [--timeout S].
 
 One line per check, `ok`, `warn`, `fail` or `skip`, with the fix where there is one; a summary line at the end.
-Exit status 1 when a check fails (warnings alone give 0), 2 for bad arguments.
-
-The last check is a real all-reduce between N processes on the backend the training scripts use (nccl on GPUs,
-gloo on the CPU; N as in run.sh: the visible GPUs, or 2 on a CPU-only machine), reported like nccl-tests:
-algbw = bytes / time and busbw = algbw * 2(N-1)/N. The processes are started first (torch.multiprocessing), so that
-they import torch while the other checks run; they meet through a TCPStore this process holds on 127.0.0.1 (port
-chosen by the OS, so no race for a free port), and every wait is bounded (--timeout), so a broken network cannot
-hang it.
-
-Self-contained on purpose (standard library, torch, torchvision, tensorboard, and packaging, which they bring): it
-must work when the rest of the project does not.
+Exit status 1 when a check fails (warnings alone give 0), 2 for bad arguments. The last check is a real all-reduce
+between N processes on the backend the scripts use (nccl on GPUs, gloo on the CPU; N as in run.sh), reported like
+nccl-tests: algbw = bytes / time, busbw = algbw * 2(N-1)/N. Its processes start first, so that they import torch
+while the other checks run, and meet through a TCPStore on 127.0.0.1; every wait is bounded (--timeout).
+Self-contained (standard library, torch, packaging): it must work when the rest of the project does not.
 """
 import argparse
-import contextlib
 import errno
 import json
-import logging
 import os
 import platform
-import re
 import socket
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +26,7 @@ GiB, MiB = 1 << 30, 1 << 20
 SHM_MIN = 1 * GiB  # Docker's default /dev/shm is 64 MiB; DataLoader workers pass every batch through it
 DEFAULT_PORT = 29500  # what torchrun / torch.distributed.launch use without --standalone or --master-port
 SLOW_NCCL_BUSBW = 5.0  # GB/s: below PCIe speed, NCCL is probably falling back to sockets
+FORK_FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # python/cpython#112275, September 2024
 
 
 class Report:
@@ -50,120 +41,98 @@ class Report:
         return sum(check["status"] == status for check in self.checks)
 
 
-def required(package, version):
-    """("ok" or "warn", fix): version against package's range in requirements.txt, read as pip reads it."""
-    from packaging.requirements import Requirement
-    with contextlib.suppress(OSError):
-        for line in (REPO / "requirements.txt").read_text().splitlines():
-            with contextlib.suppress(ValueError):  # (comments, blank lines)
-                requirement = Requirement(line.split("#")[0])
-                if requirement.name == package and not requirement.specifier.contains(version, prereleases=True):
-                    return "warn", (f"outside requirements.txt ({requirement}): pip install -r requirements.txt")
-    return "ok", None
-
-
 def human_bytes(n):
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
 
 
+def required(package, version):
+    """("ok" or "warn", fix): the installed version against package's range in requirements.txt."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        try:
+            requirement = Requirement(line.split("#")[0])
+        except InvalidRequirement:  # comments, blank lines
+            continue
+        if requirement.name == package and not requirement.specifier.contains(version, prereleases=True):
+            return "warn", f"outside requirements.txt ({requirement}): pip install -r requirements.txt"
+    return "ok", None
+
+
 # --------------------------------------------------------------------------------------------- the checks
 def check_versions(report, torch):
-    fixed = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # python/cpython#112275, September 2024
-    python = f"Python {platform.python_version()} ({sys.executable})"
-    if sys.version_info[2] < fixed.get(sys.version_info[:2], 0):
+    python, fixed = f"Python {platform.python_version()} ({sys.executable})", FORK_FIXED.get(sys.version_info[:2], 0)
+    if sys.version_info[2] < fixed:
         report.add("python", "warn", f"{python} can deadlock a forked child (python/cpython#112275)",
                    f"a DDP comm hook written in Python can then hang a loader worker at its fork: upgrade Python to "
-                   f"{'.'.join(map(str, sys.version_info[:2]))}.{fixed[sys.version_info[:2]]}+ or 3.12 "
-                   f"(docs/robustness.md)", version=platform.python_version())
+                   f"{sys.version_info[0]}.{sys.version_info[1]}.{fixed}+ or 3.12 (docs/robustness.md)",
+                   version=platform.python_version())
     else:
         report.add("python", "ok", python, version=platform.python_version())
-
-    from torch.utils import collect_env  # what torch's own bug-report script reads: the build, the driver
+    from torch.utils import collect_env  # what torch's own bug-report script reads: the build, cuDNN, the driver
     env = collect_env.get_env_info()
-    build = f"CUDA build {env.cuda_compiled_version}" if torch.version.cuda else "CPU-only build"
-    if torch.backends.cudnn.is_available() and (cudnn := torch.backends.cudnn.version() or 0) >= 10000:
-        build += f", cuDNN {cudnn // 10000}.{cudnn // 100 % 100}"
-    build += f", NVIDIA driver {env.nvidia_driver_version}" if env.nvidia_driver_version else ""
+    build = (f"CUDA build {env.cuda_compiled_version}" if torch.version.cuda else "CPU-only build") + \
+        (f", cuDNN {env.cudnn_version}" if torch.cuda.is_available() and env.cudnn_version else "") + \
+        (f", NVIDIA driver {env.nvidia_driver_version}" if env.nvidia_driver_version else "")
     status, fix = required("torch", env.torch_version)
     if status == "ok" and not torch.version.cuda:
         status, fix = "warn", "this torch cannot use GPUs: install a CUDA build (https://pytorch.org/get-started)"
     report.add("torch", status, f"torch {env.torch_version} ({build})", fix, version=env.torch_version,
                cuda_build=torch.version.cuda)
-
-    for package, fix in (("torchvision", "pip install -r requirements.txt (a torchvision release built for this "
-                                         "torch)"),
-                         ("tensorboard", "the scripts log to TensorBoard: pip install -r requirements.txt")):
+    for package in ("torchvision", "tensorboard"):
         try:  # a torchvision built for another torch often fails right here
             module, version = __import__(package), metadata.version(package)
-        except Exception as error:
-            report.add(package, "fail", f"{package} does not import ({type(error).__name__}: {error})", fix)
+        except Exception as error:  # noqa: BLE001 (any import error is the finding)
+            report.add(package, "fail", f"{package} does not import ({type(error).__name__}: {error})",
+                       "pip install -r requirements.txt")
             continue
         status, fix = required(package, version)
         if package == "torchvision":
-            status, fix = check_torchvision(torch, module, version, status, fix)
+            try:  # its compiled operators: missing when torchvision and torch do not match
+                module.ops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
+            except Exception as error:  # noqa: BLE001
+                status, fix = "fail", (f"its compiled operators do not load ({str(error).splitlines()[0][:80]}): "
+                                       f"reinstall torchvision for torch {torch.__version__}")
         report.add(package, status, f"{package} {version}", fix, version=version)
 
 
-def check_torchvision(torch, torchvision, version, status, fix):
-    from packaging.version import Version
-    vision, core = Version(version).release, Version(torch.__version__).release
-    if vision[0] == 0 and core[0] == 2 and vision[1] - 15 != core[1]:  # 0.15 came with torch 2.0, ... 0.29 with 2.14
-        status, fix = "warn", (f"torchvision 0.{vision[1]} is made for torch 2.{vision[1] - 15}, not "
-                               f"{torch.__version__}: install the matching pair (pip install -r requirements.txt)")
-    try:  # the compiled operators: missing when torchvision and torch do not match
-        torchvision.ops.nms(torch.zeros(0, 4), torch.zeros(0), 0.5)
-    except Exception as error:
-        status, fix = "fail", (f"its compiled operators do not load ({str(error).splitlines()[0][:80]}): "
-                               f"reinstall torchvision for torch {torch.__version__}")
-    return status, fix
-
-
-def cuda_state(torch):
-    """(available, number of visible GPUs, why not available)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        available = torch.cuda.is_available()
-        count = torch.cuda.device_count() if available else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    why = None if available else "CPU-only torch build" if not torch.version.cuda else \
-        "CUDA_VISIBLE_DEVICES is empty" if visible is not None and not visible.strip() else \
-        str(caught[0].message).strip().splitlines()[0][:120] if caught else "no NVIDIA GPU or driver found"
-    return available, count, why
-
-
-def check_gpus(report, torch, available, count, why):
-    nccl = nccl_version(torch)
-    if not available:
-        report.add("cuda", "warn", f"CUDA not available ({why}): training runs on the CPU with gloo; "
-                   f"GPU checks skipped", available=False, reason=why)
+def check_gpus(report, torch):
+    """CUDA, the GPUs and NCCL; returns the number of GPUs torch can use."""
+    import torch.distributed as dist
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda and dist.is_nccl_available() else None
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = ("CPU-only torch build" if not torch.version.cuda else "CUDA_VISIBLE_DEVICES is empty"
+               if visible is not None and not visible.strip() else "no NVIDIA GPU or driver found")
+        report.add("cuda", "warn", f"CUDA not available ({why}): training runs on the CPU with gloo; GPU checks "
+                   f"skipped", available=False, reason=why)
         report.add("gpus", "skip", "GPUs: none visible (skipped)", count=0, devices=[])
         report.add("nccl", "skip", f"NCCL {nccl or '(not in this build)'}: not used without GPUs (skipped)",
                    version=nccl)
-        return
+        return 0
     report.add("cuda", "ok", f"CUDA available (torch built for CUDA {torch.version.cuda})", available=True)
-    devices = []
+    count, arch_list, devices = torch.cuda.device_count(), torch.cuda.get_arch_list(), []
     for i in range(count):
-        props = torch.cuda.get_device_properties(i)
-        free, total = torch.cuda.mem_get_info(i)  # creates a context here: counts about 0.5 GiB as used
+        props, (free, total) = torch.cuda.get_device_properties(i), torch.cuda.mem_get_info(i)
         devices.append({"index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
                         "total_bytes": total, "free_bytes": free})
     names = sorted({d["name"] for d in devices})
+    status, fix = "ok", None
     if count == 1:
-        report.add("gpus", "warn", f"1 GPU visible ({names[0]})", "multi-GPU modes will run one process; use a "
-                   "machine with 2+ GPUs or check CUDA_VISIBLE_DEVICES", count=count, devices=devices)
+        status, fix = "warn", "multi-GPU modes will run one process; use a machine with 2+ GPUs or check " \
+                              "CUDA_VISIBLE_DEVICES"
     elif len(names) > 1:
-        report.add("gpus", "warn", f"{count} GPUs visible, of {len(names)} kinds ({', '.join(names)})",
-                   "DDP runs at the pace of the slowest GPU: pick one kind with CUDA_VISIBLE_DEVICES",
-                   count=count, devices=devices)
-    else:
-        report.add("gpus", "ok", f"{count} GPUs visible ({names[0]})", count=count, devices=devices)
-    arch_list = torch.cuda.get_arch_list()
+        status, fix = "warn", "DDP runs at the pace of the slowest GPU: pick one kind with CUDA_VISIBLE_DEVICES"
+    report.add("gpus", status, f"{count} GPU{'s' * (count > 1)} visible ({', '.join(names)})", fix, count=count,
+               devices=devices)
     for d in devices:
-        status, fix, used = "ok", None, d["total_bytes"] - d["free_bytes"]
+        status, fix, used = "ok", None, d["total_bytes"] - d["free_bytes"]  # our context takes ~0.5 GiB
         if used > max(2 * GiB, 0.1 * d["total_bytes"]):
             status, fix = "warn", (f"{human_bytes(used)} in use by other processes (nvidia-smi): wait, or pick "
                                    f"another GPU with CUDA_VISIBLE_DEVICES")
-        if not kernels_for(d["capability"], arch_list):
+        major, minor = map(int, d["capability"].split("."))
+        # kernels run on later minors of their major (sm_XY), PTX is compiled for any newer GPU (compute_XY)
+        if arch_list and not any(a == f"sm_{major}{m}" for a in arch_list for m in range(minor + 1)) and not any(
+                a.startswith("compute_") and int(a[8:].rstrip("af")) <= major * 10 + minor for a in arch_list):
             status, fix = "warn", (f"this torch has kernels for {' '.join(arch_list)} only: install a torch build "
                                    f"that supports compute {d['capability']}")
         report.add(f"gpu{d['index']}", status, f"GPU {d['index']}: {d['name']}, {human_bytes(d['total_bytes'])} "
@@ -173,93 +142,18 @@ def check_gpus(report, torch, available, count, why):
                    "(the pip wheels from pytorch.org have it)", version=None)
     else:
         report.add("nccl", "ok", f"NCCL {nccl}", version=nccl)
+    return count
 
 
-def nccl_version(torch):
+def check_backends(report, torch):
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_nccl_available()):
-        return None
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:
-        return None
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def kernels_for(capability, arch_list):
-    """Whether a torch built for arch_list (sm_80, compute_90, ...) runs on a GPU of this capability: cubins on
-    later minors of their major, PTX compiled for any newer GPU. An unknown list or name: do not guess."""
-    have = tuple(map(int, capability.split(".")))
-    for arch in arch_list or ["unknown"]:
-        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-        if not match:
-            return True
-        built = int(match[2]), int(match[3])
-        if (match[1] == "sm" and built[0] == have[0] and built <= have) or (match[1] == "compute" and built <= have):
-            return True
-    return False
-
-
-def check_backends(report):
-    import torch.distributed as dist
-    if not dist.is_available():
-        report.add("gloo", "fail", "torch.distributed is not available in this torch build",
-                   "install the pytorch.org wheels (they include torch.distributed)", available=False)
-    elif dist.is_gloo_available():
+    if dist.is_available() and dist.is_gloo_available():
         report.add("gloo", "ok", "gloo available (the CPU backend)", available=True)
     else:
-        report.add("gloo", "fail", "gloo not available", "the CPU runs need gloo: install the pytorch.org wheels",
-                   available=False)
-
-
-def check_environment(report, torch, available, count):
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        report.add("cuda_visible_devices", "ok", "CUDA_VISIBLE_DEVICES not set: every GPU is visible", value=None)
-    elif not visible.strip() or visible.strip().startswith("-1"):
-        status = "warn" if torch.version.cuda else "ok"
-        report.add("cuda_visible_devices", status, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU",
-                   "unset it (or list the GPUs to use) to train on GPUs" if status == "warn" else None, value=visible)
-    else:
-        listed = [v.strip() for v in visible.split(",") if v.strip()]
-        status, fix = "ok", None
-        if available and len(listed) != count:
-            status, fix = "warn", (f"it lists {len(listed)} but {count} GPU(s) are visible: an entry is wrong "
-                                   f"(CUDA stops at the first invalid one); see nvidia-smi -L")
-        report.add("cuda_visible_devices", status, f"CUDA_VISIBLE_DEVICES={visible}", fix, value=visible)
-
-    values = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("NCCL_", "TORCH_NCCL_"))
-              or k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
-    problems = [f"{key}={values[key]} ({meaning}): all-reduce can be much slower; unset it unless it works around a "
-                f"known hang" for key, meaning in (("NCCL_P2P_DISABLE", "no direct GPU-to-GPU copies"),
-                                                   ("NCCL_SHM_DISABLE", "no shared-memory transport"),
-                                                   ("NCCL_IB_DISABLE", "no InfiniBand between nodes (harmless on "
-                                                                       "one node)"))
-                if values.get(key, "0").strip() not in ("", "0")]
-    problems += [f"{old} is the old name: PyTorch reads TORCH_{old}" for old in (
-        "NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG") if old in values]
-    shown = " ".join(f"{k}={v}" for k, v in values.items()) or "none set (NCCL defaults)"
-    report.add("nccl_env", "warn" if problems else "ok", f"NCCL/socket variables: {shown}",
-               "; ".join(problems) or None, variables=values)
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads is None:
-        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS not set (run.sh / torchrun set it per "
-                   f"process)", cores=cores, omp_num_threads=None)
-    elif not threads.isdigit() or int(threads) > cores:
-        report.add("cpu", "warn", f"{cores} CPU cores; OMP_NUM_THREADS={threads}",
-                   f"more threads than cores slows every process: use at most cores/processes "
-                   f"({max(1, cores // 2)} for 2 processes)", cores=cores, omp_num_threads=threads)
-    else:
-        report.add("cpu", "ok", f"{cores} CPU cores; OMP_NUM_THREADS={threads}", cores=cores,
-                   omp_num_threads=threads)
-
-
-def check_bf16(report, torch):
-    """Whether this CPU computes bf16 (train_ddp_amp.py on a CPU): utils.cpu_computes_bf16, as the script asks."""
+        report.add("gloo", "fail", "gloo not available", "the CPU runs need torch.distributed with gloo: install the "
+                   "pytorch.org wheels", available=False)
     sys.path.insert(0, str(REPO))
-    import utils
+    import utils  # as train_ddp_amp.py asks
     capability = torch.backends.cpu.get_cpu_capability()
     if utils.cpu_computes_bf16():
         report.add("bf16", "ok", f"CPU bf16: computed natively (oneDNN has bf16 kernels; ATen: {capability})",
@@ -270,11 +164,42 @@ def check_bf16(report, torch):
                    "(bash run.sh ddp); train_ddp_amp.py refuses unless --amp-dtype bf16 is given", native=False)
 
 
-def check_engine(report):
-    """The cluster engine this process runs under, from the variables each one sets, and how the scripts start
-    there (docs/running.md#engines)."""
-    env = os.environ.get
+def check_environment(report, torch, count):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = [v for v in (visible or "").split(",") if v.strip()]
     status, fix = "ok", None
+    if visible is not None and (not listed or listed[0].strip() == "-1") and torch.version.cuda:
+        status, fix = "warn", "unset it (or list the GPUs to use) to train on GPUs"
+    elif count and len(listed) != count and visible is not None:
+        status, fix = "warn", (f"it lists {len(listed)} but {count} GPU(s) are visible: an entry is wrong (CUDA "
+                               f"stops at the first invalid one); see nvidia-smi -L")
+    hides = " hides every GPU" if visible is not None and (not listed or listed[0].strip() == "-1") else ""
+    report.add("cuda_visible_devices", status, "CUDA_VISIBLE_DEVICES not set: every GPU is visible" if visible is None
+               else f"CUDA_VISIBLE_DEVICES={visible!r}{hides}", fix, value=visible)
+
+    values = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))
+              or k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    problems = [f"{key}={values[key]}: all-reduce can be much slower; unset it unless it works around a known hang"
+                for key in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE") if values.get(key, "0").strip() not in ("", "0")]
+    problems += [f"{old} is the old name: PyTorch reads TORCH_{old}" for old in (
+        "NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG") if old in values]
+    report.add("nccl_env", "warn" if problems else "ok", "NCCL/socket variables: " + (" ".join(
+        f"{k}={v}" for k, v in values.items()) or "none set (NCCL defaults)"), "; ".join(problems) or None,
+        variables=values)
+
+    cores, threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, \
+        os.environ.get("OMP_NUM_THREADS")
+    too_many = threads is not None and not (threads.isdigit() and int(threads) <= cores)
+    report.add("cpu", "warn" if too_many else "ok", f"{cores} CPU cores; " + (
+        f"OMP_NUM_THREADS={threads}" if threads else "OMP_NUM_THREADS not set (run.sh / torchrun set it per process)"),
+        f"more threads than cores slows every process: use at most cores/processes ({max(1, cores // 2)} for 2 "
+        f"processes)" if too_many else None, cores=cores, omp_num_threads=threads)
+
+
+def check_engine(report):
+    """The cluster engine this process runs under, from the variables each sets, and how to start the scripts there
+    (docs/running.md#engines)."""
+    env, status, fix = os.environ.get, "ok", None
     if env("PET_RDZV_ENDPOINT"):  # training-operator's elasticPolicy
         engine = (f"Kubeflow PyTorchJob, elastic (c10d rendezvous at {env('PET_RDZV_ENDPOINT')}, PET_NNODES "
                   f"{env('PET_NNODES')}, PET_MAX_RESTARTS {env('PET_MAX_RESTARTS', '0')}): start torchrun, which "
@@ -311,62 +236,36 @@ def check_shm(report):
     except OSError:
         return report.add("shm", "skip", "/dev/shm: not present on this system (skipped)", total_bytes=None)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    status, fix = "ok", None
-    if total < SHM_MIN:  # the scripts refuse, in one line, loader workers whose batches would not fit
-        status, fix = "warn", ("DataLoader workers may run out of shared memory: in Kubernetes mount an emptyDir "
-                               "with medium: Memory at /dev/shm (examples/), docker run --ipc=host or --shm-size=8g "
-                               "(or train with fewer --workers)")
-    elif free < SHM_MIN:
-        status, fix = "warn", "nearly full: DataLoader workers may crash; remove stale files there (leftovers of " \
-                              "killed runs)"
-    report.add("shm", status, f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)", fix, total_bytes=total,
-               free_bytes=free)
-
-
-def bind_error(host, port):
-    """The OSError binding (host, port) raises, or None if the port is free there. Tries IPv4 and IPv6."""
-    for family, address in [(socket.AF_INET, host or "0.0.0.0")] + [(socket.AF_INET6, "::")] * (not host):
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 here
-        with sock:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is no obstacle
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind((address, port))
-            except OSError as error:
-                if not (family == socket.AF_INET6 and error.errno == errno.EADDRNOTAVAIL):
-                    return error
-    return None
+    fix = ("DataLoader workers may run out of shared memory: in Kubernetes mount an emptyDir with medium: Memory at "
+           "/dev/shm (examples/), docker run --ipc=host or --shm-size=8g (or train with fewer --workers)"
+           if total < SHM_MIN else "nearly full: DataLoader workers may crash; remove stale files there (leftovers "
+           "of killed runs)" if free < SHM_MIN else None)
+    report.add("shm", "warn" if fix else "ok", f"/dev/shm {human_bytes(total)} ({human_bytes(free)} free)", fix,
+               total_bytes=total, free_bytes=free)
 
 
 def check_network(report):
-    """With MASTER_ADDR set (several machines): the address and interface this node uses to meet the others (what
-    run.sh derives from MASTER_ADDR), and whether the hostname resolves to an address the others can reach, which
-    torchrun and gloo rely on wherever they are not told otherwise."""
+    """With MASTER_ADDR set (several machines): the address and interface this node meets the others from (what
+    run.sh derives from MASTER_ADDR), and whether the hostname, which torchrun and gloo rely on where they are not
+    told otherwise, resolves to an address the others can reach."""
     master_addr = os.environ.get("MASTER_ADDR")
     if not master_addr:
         return
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hosts  # tools/hosts.py: what run.sh uses
     try:
-        import hosts  # tools/hosts.py, beside this file: what run.sh uses
         plan = hosts.Plan(master_addr)
     except OSError as error:
         return report.add("network", "fail", str(error), "without it the nodes cannot meet")
-    except Exception as error:
-        return report.add("network", "skip", f"network: tools/hosts.py does not import ({type(error).__name__}) "
-                          f"(skipped)")
     uses = f"--local-addr={plan.local_addr}" + "".join(f" {name}={plan.interface}" for name in (
         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if plan.interface)
-    named = f" ({plan.target})" if plan.target != master_addr else ""
-    message = (f"MASTER_ADDR {master_addr}{named} is this machine: it hosts the rendezvous (run.sh: {uses})"
-               if plan.is_host else f"MASTER_ADDR {master_addr}{named} is another machine; this node reaches it "
-               f"from {plan.where()} (run.sh: {uses})")
+    named = f"MASTER_ADDR {master_addr}" + (f" ({plan.target})" if plan.target != master_addr else "")
     fix = (f"{master_addr} resolves to {plan.target}, a loopback address, here: give MASTER_ADDR as the address the "
            f"other nodes reach this one at, or set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
            if plan.loopback_name else None)
-    report.add("network", "warn" if fix else "ok", message, fix, master_addr=master_addr, is_host=plan.is_host,
+    report.add("network", "warn" if fix else "ok", f"{named} is this machine: it hosts the rendezvous (run.sh: "
+               f"{uses})" if plan.is_host else f"{named} is another machine; this node reaches it from "
+               f"{plan.where()} (run.sh: {uses})", fix, master_addr=master_addr, is_host=plan.is_host,
                local_addr=plan.local_addr, interface=plan.interface)
 
     name = socket.gethostname()
@@ -379,59 +278,66 @@ def check_network(report):
     except OSError as error:
         return report.add("hostname", "warn", f"hostname {name} does not resolve ({error.strerror or error})",
                           breaks, hostname=name, addresses=[])
-    said = f"hostname {name} resolves to {', '.join(addresses)}"
-    held = [address for address in addresses if hosts.holds(address)]
+    said, held = f"hostname {name} resolves to {', '.join(addresses)}", [a for a in addresses if hosts.holds(a)]
     if hosts.is_loopback(plan.local_addr) and not plan.loopback_name:
         status, message, fix = "ok", f"{said} (MASTER_ADDR is loopback: one machine)", None
     elif plan.local_addr in held:
         status, message, fix = "ok", f"{said}, the address this node uses", None
-    elif held and all(hosts.is_loopback(address) for address in held):
-        status, message, fix = "warn", f"{said}, a loopback address: other machines cannot connect there", breaks
-    elif held:
-        status, message, fix = "warn", (f"{said}, not to the address that reaches MASTER_ADDR ({plan.where()}): "
-                                        f"other machines cannot connect there"), breaks
     else:
-        status, message, fix = "warn", f"{said}, which this machine does not hold: other machines cannot " \
-                                       f"connect there", breaks
+        status, message, fix = "warn", f"{said}, " + (
+            "a loopback address" if held and all(map(hosts.is_loopback, held)) else
+            f"not to the address that reaches MASTER_ADDR ({plan.where()})" if held else
+            "which this machine does not hold") + ": other machines cannot connect there", breaks
     report.add("hostname", status, message, fix, hostname=name, addresses=addresses)
 
 
+def bind_error(host, port):
+    """The OSError binding (host, port) raises (IPv4, and IPv6 for any host), or None if the port is free there."""
+    for family, address in [(socket.AF_INET, host or "0.0.0.0")] + [(socket.AF_INET6, "::")] * (not host):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is no obstacle
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((address, port))
+            except OSError as error:
+                if not (family == socket.AF_INET6 and error.errno == errno.EADDRNOTAVAIL):  # no IPv6 here
+                    return error
+    return None
+
+
 def check_port(report):
-    addr, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if port_text is None:
+    addr, text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if text is None:
         message = "MASTER_PORT not set: torchrun --standalone (bash run.sh ddp) picks a free port"
         if bind_error("", DEFAULT_PORT):
             return report.add("port", "warn", message + f"; the default {DEFAULT_PORT} is in use", "launches "
-                              "without --standalone need another port: MASTER_PORT=29501 or --master-port",
-                              port=None, default_port_free=False)
-        return report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None,
-                          default_port_free=True)
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        return report.add("port", "fail", f"MASTER_PORT={port_text!r} is not a port number",
-                          "set MASTER_PORT to a free port between 1024 and 65535, e.g. 29500", port=port_text)
-    port, local = int(port_text), True
+                              "without --standalone need another port: MASTER_PORT=29501 or --master-port", port=None)
+        return report.add("port", "ok", message + f" (the default {DEFAULT_PORT} is free too)", port=None)
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        return report.add("port", "fail", f"MASTER_PORT={text!r} is not a port number",
+                          "set MASTER_PORT to a free port between 1024 and 65535, e.g. 29500", port=text)
+    port = int(text)
     if addr and addr not in ("localhost", "127.0.0.1", "::1"):
         try:
             address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
         except OSError as error:
             return report.add("port", "fail", f"MASTER_ADDR={addr} does not resolve ({error.strerror or error})",
                               "set MASTER_ADDR to the IP address (or resolvable name) of node 0", port=port)
-        error = bind_error(address, 0)
-        local = not (error and error.errno == errno.EADDRNOTAVAIL)
-    if not local:
-        status, fix = "ok", None
-        try:
-            socket.create_connection((addr, port), timeout=2).close()
-            note = "something is listening there already (node 0's rendezvous?)"
-        except ConnectionRefusedError:
-            note = "nothing listens there yet (normal before node 0 starts)"
-        except (socket.timeout, TimeoutError):
-            note, status, fix = "no answer within 2 s", "warn", ("a firewall may block it: open the port on node 0, "
-                                                                 "or check MASTER_ADDR")
-        except OSError as error:
-            note, status, fix = f"{error.strerror or error}", "warn", "check MASTER_ADDR: no machine answers for it"
-        return report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: {note}",
-                          fix, port=port, local=False)
+        if getattr(bind_error(address, 0), "errno", None) == errno.EADDRNOTAVAIL:  # another machine's address
+            status, fix = "ok", None
+            try:
+                socket.create_connection((addr, port), timeout=2).close()
+                note = "something is listening there already (node 0's rendezvous?)"
+            except ConnectionRefusedError:
+                note = "nothing listens there yet (normal before node 0 starts)"
+            except TimeoutError:
+                note, status, fix = "no answer within 2 s", "warn", "a firewall may block it: open the port on " \
+                                                                    "node 0, or check MASTER_ADDR"
+            except OSError as error:
+                note, status, fix = f"{error.strerror or error}", "warn", "check MASTER_ADDR: no machine answers"
+            return report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: "
+                              f"{note}", fix, port=port, local=False)
     error = bind_error("", port)
     if error is None:
         report.add("port", "ok", f"MASTER_PORT {port} is free", port=port, local=True)
@@ -446,10 +352,9 @@ def check_port(report):
 
 # ------------------------------------------------------------------------------------------- the all-reduce
 def start_allreduce(backend, nproc, size_mib, timeout, workdir):
-    """Hold a TCPStore on 127.0.0.1 and start nproc processes (torch.multiprocessing); what finish_allreduce needs."""
+    """Hold a TCPStore on 127.0.0.1 (port chosen by the OS: no race for a free one) and start nproc processes."""
     import torch.distributed as dist
     import torch.multiprocessing
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its notes on ending the others
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     result = os.path.join(workdir, "allreduce.json")
     processes = torch.multiprocessing.start_processes(allreduce_worker, (
@@ -459,12 +364,11 @@ def start_allreduce(backend, nproc, size_mib, timeout, workdir):
 
 
 def finish_allreduce(report, job):
-    import torch.multiprocessing
+    from torch.multiprocessing.spawn import ProcessException
     backend, nproc = job["backend"], job["nproc"]
     what = f"all-reduce {backend}, {nproc} process{'es' if nproc > 1 else ''}"
-    fix = ("if it is the network: GLOO_SOCKET_IFNAME=lo (gloo) or NCCL_SOCKET_IFNAME=lo, and check that "
-           "`hostname -i` gives a local address") + ("; NCCL_DEBUG=INFO shows what NCCL tried" if backend == "nccl"
-                                                     else "")
+    fix = ("if it is the network: GLOO_SOCKET_IFNAME=lo (gloo) or NCCL_SOCKET_IFNAME=lo, and check that `hostname -i` "
+           "gives a local address") + ("; NCCL_DEBUG=INFO shows what NCCL tried" if backend == "nccl" else "")
     try:  # all succeed, one fails (the context then ends the others), or the deadline passes
         while not job["processes"].join(timeout=max(0.0, job["deadline"] - time.monotonic())):
             if time.monotonic() >= job["deadline"]:
@@ -472,19 +376,17 @@ def finish_allreduce(report, job):
                     process.kill()
                 return report.add("allreduce", "fail", f"{what}: no result within {job['timeout'] + 30} s (killed)",
                                   fix, backend=backend, world_size=nproc)
-    except torch.multiprocessing.ProcessException as error:  # its message ends with the rank's exception
-        last = re.sub(r"\[enforce fail at [^\]]*\]\s*", "", str(error).strip().splitlines()[-1])  # gloo's source
+    except ProcessException as error:  # its message ends with the rank's exception
+        last = str(error).strip().splitlines()[-1]
         return report.add("allreduce", "fail", f"{what}: rank {error.error_index} failed: {last[:200]}", fix,
                           backend=backend, world_size=nproc, error=last)
     result = json.loads(Path(job["result"]).read_text())
-    status, fix = "ok", None
-    if backend == "nccl" and nproc > 1 and result["busbw_gbps"] < SLOW_NCCL_BUSBW:
-        status, fix = "warn", (f"slower than PCIe ({SLOW_NCCL_BUSBW:g} GB/s): check NCCL_P2P_DISABLE / "
-                               f"NCCL_SHM_DISABLE, nvidia-smi topo -m, and NCCL_DEBUG=INFO")
-    message = (f"{what}: latency {result['latency_us']:.0f} us ({result['small_bytes']} B), "
-               f"busbw {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s, "
-               f"{human_bytes(result['size_bytes'])})") + (": one process, nothing crosses a link" if nproc == 1 else "")
-    report.add("allreduce", status, message, fix, **result)
+    slow = backend == "nccl" and nproc > 1 and result["busbw_gbps"] < SLOW_NCCL_BUSBW
+    report.add("allreduce", "warn" if slow else "ok", f"{what}: latency {result['latency_us']:.0f} us "
+               f"({result['small_bytes']} B), busbw {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} "
+               f"GB/s, {human_bytes(result['size_bytes'])})" + (": one process, nothing crosses a link" * (nproc == 1)),
+               f"slower than PCIe ({SLOW_NCCL_BUSBW:g} GB/s): check NCCL_P2P_DISABLE / NCCL_SHM_DISABLE, nvidia-smi "
+               f"topo -m, and NCCL_DEBUG=INFO" if slow else None, **result)
 
 
 def allreduce_worker(rank, world_size, port, backend, size_mib, timeout, result):
@@ -493,17 +395,15 @@ def allreduce_worker(rank, world_size, port, backend, size_mib, timeout, result)
         os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
     import torch
     import torch.distributed as dist
-    timeout = timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    gpu = backend == "nccl"
+    timeout, gpu = timedelta(seconds=timeout), backend == "nccl"
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            **({"device_id": device} if gpu else {}))
+    dist.init_process_group(backend, store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout),
+                            rank=rank, world_size=world_size, timeout=timeout, **({"device_id": device} if gpu else {}))
     sync = torch.cuda.synchronize if gpu else (lambda: None)  # gloo's CPU all_reduce returns when it is done
 
-    def timed(tensor, warmup, iterations):
+    def timed(tensor, warmup, iterations):  # the median of single calls, as nccl-tests reports one size
         for _ in range(warmup):
             dist.all_reduce(tensor)
         sync()
@@ -520,12 +420,10 @@ def allreduce_worker(rank, world_size, port, backend, size_mib, timeout, result)
     dist.all_reduce(check)
     if not torch.all(check == world_size * (world_size + 1) / 2):
         raise RuntimeError(f"all-reduce gave {check[0].item()}, expected {world_size * (world_size + 1) / 2}")
-    small = torch.zeros(2, device=device)  # 8 bytes, as nccl-tests starts
-    latency = timed(small, 10, 200 if gpu else 50)
-    big = torch.zeros(size_mib * MiB // 4, device=device)
-    seconds = timed(big, 3 if gpu else 1, 20 if gpu else 5)
-    worst = torch.tensor([latency, seconds], dtype=torch.float64, device=device)  # the slowest rank decides
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    small, big = torch.zeros(2, device=device), torch.zeros(size_mib * MiB // 4, device=device)  # 8 B as nccl-tests
+    worst = torch.tensor([timed(small, 10, 200 if gpu else 50), timed(big, 3 if gpu else 1, 20 if gpu else 5)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank decides
     latency, seconds = worst.tolist()
     dist.destroy_process_group()
     if rank == 0:
@@ -537,7 +435,7 @@ def allreduce_worker(rank, world_size, port, backend, size_mib, timeout, result)
 
 
 # ------------------------------------------------------------------------------------------------- main
-def parse_args(argv):
+def main(argv=None):
     parser = argparse.ArgumentParser(prog="bash run.sh doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--nproc", type=int, help="processes for the all-reduce (default: as run.sh: the "
@@ -549,37 +447,30 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 1 or args.size < 1 or args.timeout < 1:
         parser.error("--nproc, --size and --timeout must be positive")
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
     started, report = time.monotonic(), Report()
     try:
         import torch
         import torch.distributed as dist
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (a broken install is the finding)
         report.add("torch", "fail", f"torch does not import ({type(error).__name__}: {error})",
                    "pip install -r requirements.txt (or let bash run.sh make .venv)")
         return finish(report, args, started)
-    available, count, why = cuda_state(torch)
-    backend = "nccl" if available else "gloo"
-    nproc = args.nproc or (count if available else 2)
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    backend, nproc = "nccl" if available else "gloo", args.nproc or (count if available else 2)
     usable = dist.is_available() and (dist.is_nccl_available() if available else dist.is_gloo_available())
     job = None
     with tempfile.TemporaryDirectory(prefix="doctor-") as workdir:
         if not args.no_allreduce and usable and not (available and nproc > count):
             job = start_allreduce(backend, nproc, args.size, args.timeout, workdir)  # runs meanwhile
         try:
-            for name, check, *check_args in (("versions", check_versions, torch),
-                                             ("gpus", check_gpus, torch, available, count, why),
-                                             ("backends", check_backends), ("bf16", check_bf16, torch),
-                                             ("environment", check_environment, torch, available, count),
-                                             ("engine", check_engine), ("shm", check_shm),
-                                             ("network", check_network), ("port", check_port)):
+            for check, *check_args in ((check_versions, torch), (check_gpus, torch), (check_backends, torch),
+                                       (check_environment, torch, count), (check_engine,), (check_shm,),
+                                       (check_network,), (check_port,)):
                 try:
                     check(report, *check_args)
-                except Exception as error:  # a doctor that crashes tells nobody anything: report it and go on
+                except Exception as error:  # noqa: BLE001 (a doctor that crashes tells nobody anything)
+                    name = check.__name__.removeprefix("check_")
                     report.add(name, "fail", f"the {name} check itself failed ({type(error).__name__}: {error})",
                                "please report this with the output of bash run.sh doctor")
         finally:
@@ -587,27 +478,23 @@ def main(argv=None):
                 finish_allreduce(report, job)
     if args.no_allreduce:
         report.add("allreduce", "skip", "all-reduce: skipped (--no-allreduce)")
-    elif not usable:
-        report.add("allreduce", "fail", f"all-reduce: the {backend} backend is not available",
-                   "install the pytorch.org wheels", backend=backend)
     elif not job:
-        report.add("allreduce", "fail", f"all-reduce: --nproc {nproc} but {count} GPU(s) visible",
-                   "use one process per GPU", backend=backend)
+        report.add("allreduce", "fail", f"all-reduce: the {backend} backend is not available" if not usable else
+                   f"all-reduce: --nproc {nproc} but {count} GPU(s) visible", "install the pytorch.org wheels"
+                   if not usable else "use one process per GPU", backend=backend)
     return finish(report, args, started)
 
 
 def finish(report, args, started):
-    counts = {s: report.count(s) for s in ("ok", "warn", "fail", "skip")}
-    seconds = time.monotonic() - started
+    counts, seconds = {s: report.count(s) for s in ("ok", "warn", "fail", "skip")}, time.monotonic() - started
     verdict = (f"{counts['fail']} check(s) failed: fix them before training" if counts["fail"]
                else "ready" + (" (with warnings)" if counts["warn"] else ""))
     print(f"doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped "
           f"in {seconds:.1f} s: {verdict}", flush=True)
-    status = 1 if counts["fail"] else 0
     if args.json:
-        Path(args.json).write_text(json.dumps({"checks": report.checks, "summary": counts, "exit_status": status,
-                                               "seconds": seconds}, indent=1) + "\n")
-    return status
+        Path(args.json).write_text(json.dumps({"checks": report.checks, "summary": counts, "exit_status": int(
+            bool(counts["fail"])), "seconds": seconds}, indent=1) + "\n")
+    return 1 if counts["fail"] else 0
 
 
 if __name__ == "__main__":
