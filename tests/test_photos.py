@@ -214,10 +214,6 @@ def test_shrink_killed_leaves_no_partial_file_and_resumes(tmp_path):
     assert sorted(p.name for p in dst.rglob("*.png")) == sorted(p.name for p in src.rglob("*.png"))
 
 
-def test_shrink_knows_the_scripts_image_files():
-    assert shrink.IMAGE_EXTENSIONS == builtin.IMAGE_EXTENSIONS
-
-
 # ------------------------------------------------------------------------------------------ logging
 def epoch_line(tmp_path, dataset, capsys):
     """One epoch of the Logger in which the loop waited for data half of the time: the epoch line it prints."""

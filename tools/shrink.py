@@ -23,18 +23,12 @@ from pathlib import Path
 
 from PIL import Image
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")  # as utils.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from builtin import IMAGE_EXTENSIONS  # noqa: E402 (the files the scripts read)
+from utils import ArgumentParser, UsageError  # noqa: E402 (bad input: one line, no traceback)
+
 TEMPORARY = ".shrink-tmp"  # suffix of the hidden files being written; the training scripts skip hidden files
 MAX_SIDE = 512  # twice the evaluation resize (256) of the default 224-pixel crop; about ImageNet's own 500 x 375
-
-
-class UsageError(Exception):
-    """Bad input: one line, no traceback, exit status 2."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
 
 
 def main(argv=None):
@@ -50,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality of the shrunk images")
     try:
         return shrink(parser.parse_args(argv))
-    except UsageError as error:
+    except UsageError as error:  # exit status 2: nothing was done (1: some images could not be read)
         print(f"error: {error}", file=sys.stderr)
         return 2
 
