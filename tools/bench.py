@@ -150,6 +150,7 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     import torchvision
     import torchvision.transforms as T
     from torch.utils.data import default_collate
+
     import builtin
     import utils
     textbook = torchvision.datasets.ImageFolder(str(root), T.Compose([
@@ -160,7 +161,7 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     for name in order:
         position = iter(range(0, 1 << 40, batch))  # each call a batch of the next files, round the folder
 
-        def read_batch(read=reads[name]):
+        def read_batch(read=reads[name], position=position):
             first = next(position)
             return default_collate([read((first + i) % len(project)) for i in range(batch)])
         rates[name] = batch / timed(read_batch, 1, seconds)
@@ -219,6 +220,7 @@ def in_memory(script, folder):
 # ------------------------------------------------------------------------------------------ the CPU (and everyday) rows
 def measure(opts, cores, tmp):
     import torch
+
     import builtin
     import utils
     cuda = torch.cuda.is_available()
@@ -234,7 +236,7 @@ def measure(opts, cores, tmp):
             (data / folder.name).mkdir(parents=True)
             for image in sorted(folder.iterdir())[:20]:
                 (data / folder.name / image.name).symlink_to(image)
-    classes, train_samples, _ = builtin.find_images(data, 0.2)
+    _, train_samples, _ = builtin.find_images(data, 0.2)
     photos = tmp / "photos"
     make_jpegs(photos, 1 if opts.tiny else 6, PHOTO_SIZE)
 
@@ -267,10 +269,10 @@ def measure(opts, cores, tmp):
             else:
                 cmd, count = scripts[name]
                 runs[name].append(train(cmd + flags, count, opts.timeout, tmp / f"{name}-{rep}"))
-    return summarize(runs, skipped, dict(
-        nproc=nproc, device=device.type, threads_single=threads, threads_per_process=per_proc, repeats=repeats,
-        quick=opts.quick, tiny=opts.tiny, img_size=IMG_SIZE, batch_per_process=BATCH, model=MODEL,
-        train_images=len(train_samples), ceiling_accum_steps=micro_batches),
+    return summarize(runs, skipped, {
+        "nproc": nproc, "device": device.type, "threads_single": threads, "threads_per_process": per_proc,
+        "repeats": repeats, "quick": opts.quick, "tiny": opts.tiny, "img_size": IMG_SIZE, "batch_per_process": BATCH,
+        "model": MODEL, "train_images": len(train_samples), "ceiling_accum_steps": micro_batches},
         {"gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": gpus, "torch": torch.__version__})
 
 
@@ -365,10 +367,10 @@ def table(r):
             row(f"data 12 MP JPEGs, {PHOTO_IMG} px: textbook", "1 x 1 thread", "photos", key="textbook_img_s"),
             ["start-up of train_single.py, less its imports (s)", one, fmt(r["startup_s"], 2), "-", "", "",
              verdict("startup_s"), "-"]]
-    lines = [f"# Benchmark: {c['model']}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo data "
-             f"({c['train_images']} training images)" + (" (--tiny: no figure is telling)" if c["tiny"] else ""),
-             f"{r['machine']['cpu']}, {r['machine']['cores']} cores, GPU: {r['machine']['gpu']}, torch "
-             f"{r['machine']['torch']}; {c['repeats']} repetition(s), medians", "",
+    lines = [(f"# Benchmark: {c['model']}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo "
+              f"data ({c['train_images']} training images)" + (" (--tiny: no figure is telling)" if c["tiny"] else "")),
+             (f"{r['machine']['cpu']}, {r['machine']['cores']} cores, GPU: {r['machine']['gpu']}, torch "
+             f"{r['machine']['torch']}; {c['repeats']} repetition(s), medians"), "",
              "| run | where | img/s | each repetition | ratio | value | target | others |",
              "|---|---|---:|---|---|---:|---|---:|"]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows] + [""]

@@ -118,8 +118,8 @@ def check_gpus(report, torch):
     names = sorted({d["name"] for d in devices})
     status, fix = "ok", None
     if count == 1:
-        status, fix = "warn", "multi-GPU modes will run one process; use a machine with 2+ GPUs or check " \
-                              "CUDA_VISIBLE_DEVICES"
+        status, fix = "warn", ("multi-GPU modes will run one process; use a machine with 2+ GPUs or check "
+                               "CUDA_VISIBLE_DEVICES")
     elif len(names) > 1:
         status, fix = "warn", "DDP runs at the pace of the slowest GPU: pick one kind with CUDA_VISIBLE_DEVICES"
     report.add("gpus", status, f"{count} GPU{'s' * (count > 1)} visible ({', '.join(names)})", fix, count=count,
@@ -332,8 +332,8 @@ def check_port(report):
             except ConnectionRefusedError:
                 note = "nothing listens there yet (normal before node 0 starts)"
             except TimeoutError:
-                note, status, fix = "no answer within 2 s", "warn", "a firewall may block it: open the port on " \
-                                                                    "node 0, or check MASTER_ADDR"
+                note, status, fix = "no answer within 2 s", "warn", ("a firewall may block it: open the port on "
+                                                                     "node 0, or check MASTER_ADDR")
             except OSError as error:
                 note, status, fix = f"{error.strerror or error}", "warn", "check MASTER_ADDR: no machine answers"
             return report.add("port", status, f"MASTER_ADDR={addr} is another machine; MASTER_PORT {port} there: "

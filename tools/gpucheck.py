@@ -13,6 +13,7 @@ of time, else 0.
 """
 import argparse
 import ast
+import contextlib
 import json
 import os
 import shutil
@@ -78,13 +79,9 @@ def time_launches(folder, report):
     return costs, ok
 
 
-def kill(proc):
-    """SIGKILL a part's session; torchrun's ranks, in sessions of their own, follow their launcher (the parent-death
-    signal that utils.require_launcher sets)."""
-    try:
+def kill(proc):  # its session; torchrun's ranks follow their launcher (utils.require_launcher's parent-death signal)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_part(title, cmd, limit, report, quiet=False):
@@ -123,8 +120,8 @@ def nvidia_device():
 def what_it_proves(cuda, gpus, summary):
     """The plain words: what this run showed about the GPU path, and what it could not show."""
     if not cuda:
-        return ["what this proves: nothing about GPUs (no CUDA GPU here; everything GPU-side in this project is by "
-                "reading until this check runs on one)"]
+        return [("what this proves: nothing about GPUs (no CUDA GPU here; everything GPU-side in this project is by "
+                "reading until this check runs on one)")]
     passed = [line.split(":")[0] for line, ok in summary if ok and not line.startswith("NCCL")]
     lines = [f"what this proves on {gpus} GPU(s): {'; '.join(passed) or 'nothing (every part failed)'}"]
     if gpus < 2:
@@ -143,13 +140,13 @@ def main():
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
     gpu = f"{gpus} x {torch.cuda.get_device_name(0)}" if cuda else "none"
-    report = [f"# gpucheck {datetime.now().isoformat(timespec='seconds')}: torch {torch.__version__}, "
-              f"CUDA {torch.version.cuda or 'none'}, GPUs: {gpu}\n"]
+    report = [(f"# gpucheck {datetime.now().isoformat(timespec='seconds')}: torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda or 'none'}, GPUs: {gpu}\n")]
     summary = []
     if nvidia_device() and not cuda:
-        summary.append((f"error: this machine has an NVIDIA GPU, but torch {torch.__version__} (built for CUDA "
+        summary.append(((f"error: this machine has an NVIDIA GPU, but torch {torch.__version__} (built for CUDA "
                         f"{torch.version.cuda or 'none: a CPU-only build'}) cannot use it: install a torch build for "
-                        f"a CUDA version the driver supports (nvidia-smi shows the driver's); see the doctor's lines",
+                        f"a CUDA version the driver supports (nvidia-smi shows the driver's); see the doctor's lines"),
                         False))
         print(f"gpucheck: {summary[-1][0]}", flush=True)
     py = sys.executable
@@ -157,8 +154,8 @@ def main():
         costs, timed = GUESSED, cuda
         if cuda:
             costs, timed = time_launches(Path(tmp), report)
-            summary.append((f"timed launches: a script run {costs['script']:.0f} s, a torchrun launch "
-                            f"{costs['torchrun']:.0f} s", timed))
+            summary.append(((f"timed launches: a script run {costs['script']:.0f} s, a torchrun launch "
+                            f"{costs['torchrun']:.0f} s"), timed))
         parts = dict(plan(max(gpus, 1), opts.budget, costs))
         planned = ("plan" + ("" if cuda else " on one GPU, from guessed launch costs") + ": " + ", ".join(
             f"{name} {limit:.0f} s" for name, limit in parts.items()) + f" (budget {opts.budget:.0f} s)")

@@ -1,19 +1,19 @@
-"""run.sh's two helpers around the launcher (torchrun, torch.distributed.launch).
+"""run.sh's two helpers around the launcher (torchrun, torch.distributed.launch), for what its own options cannot do
+(--log-dir, --redirects, --tee and --local-ranks-filter sort the ranks' output; none ties the launcher to run.sh or
+drops its own report):
 
     python tools/launcher.py tie PARENT_PID COMMAND...
-        exec COMMAND with Linux's parent-death signal set to SIGTERM: if run.sh dies (kill -9, a job manager or
-        CI timeout that kills its process group), the launcher is told to stop the job as on SIGTERM, instead of
-        training on as an orphan. Elsewhere than Linux it just execs.
+        exec COMMAND with Linux's parent-death signal set to SIGTERM: if run.sh dies (kill -9, a job manager or CI
+        timeout), the launcher stops the job as on SIGTERM instead of training on as an orphan.
 
     python tools/launcher.py filter OUT_FIFO ERR_FIFO LOG
         pass the job's output on, leaving out the launcher's own report where the job already said what happened:
-        the agent's traceback for a signal that stopped it (the ranks printed `stopped by ...`), its failure report
-        (an `E...` log line, a ChildFailedError traceback and its "Root Cause" box) once a rank printed its one
-        `error:` line, and a rendezvous failure's C++ frames and tracebacks, for which it prints one line instead.
-        Any other traceback is shown whole. LOG receives the whole stderr, and is kept (and named in one line) only
-        when something was left out that is not a signal report. Exits with the number of the signal that stopped
-        the agent (0 if none), for run.sh's exit status. Writes that fail (a closed terminal after SIGHUP, a
-        broken pipe) are dropped and it goes on reading, so that the ranks can still save and end.
+        its traceback for a signal (the ranks printed `stopped by ...`), its failure report (an `E...` log line, a
+        ChildFailedError traceback and its "Root Cause" box) once a rank printed its one `error:` line, and a
+        rendezvous failure's frames, for which it prints one line. Any other traceback is shown whole. LOG gets the
+        whole stderr, kept (and named in one line) only when something not a signal report was left out. Exits with
+        the number of the signal that stopped the agent (0 if none). Failed writes (a closed terminal, a broken
+        pipe) are dropped and it reads on, so that the ranks can still save and end.
 """
 import os
 import re

@@ -24,8 +24,8 @@ from pathlib import Path
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from builtin import IMAGE_EXTENSIONS  # noqa: E402 (the files the scripts read)
-from utils import ArgumentParser, UsageError  # noqa: E402 (bad input: one line, no traceback)
+from builtin import IMAGE_EXTENSIONS
+from utils import ArgumentParser, UsageError
 
 TEMPORARY = ".shrink-tmp"  # suffix of the hidden files being written; the training scripts skip hidden files
 MAX_SIDE = 512  # twice the evaluation resize (256) of the default 224-pixel crop; about ImageNet's own 500 x 375
@@ -84,7 +84,7 @@ def shrink(args):
     if not made.exists():
         dst.mkdir(parents=True, exist_ok=True)
         made.write_text(json.dumps(settings) + "\n")
-    lock = open(made)  # held until this process and its workers end, however they end
+    lock = open(made)  # noqa: SIM115 held until this process and its workers end, however they end
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -148,7 +148,7 @@ def shrink_one(job):
         os.utime(temporary, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the source's time: a newer source is redone
         os.replace(temporary, target)
         return outcome, None
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (whatever fails to read, the file is reported)
         temporary.unlink(missing_ok=True)
         reason = str(error).splitlines()[0] if str(error) else repr(error)
         return "failed", f"cannot decode image {source} ({reason}); remove or replace the file"
