@@ -104,7 +104,7 @@ def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, d
 def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(hosts, default_runs, tiny_data, tmp_path):
     """SLURM's way (MASTER_ADDR=$(scontrol show hostnames ... | head -n 1)): each host has its own hostname, which
     resolves to its cluster address, and MASTER_ADDR is the first one's name. torchrun's own guesses are right here,
-    and run.sh leaves the choice of host to it."""
+    and run.sh's (is_host from MASTER_ADDR) agree with them."""
     (_, address_a, if_a), (_, address_b, _) = hosts["a"], hosts["b"]
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(f"127.0.0.1 localhost\n{address_a} rsnode-a\n{address_b} rsnode-b\n")
