@@ -8,7 +8,7 @@ import sys
 from conftest import REPO, cpu_env, run
 
 sys.path.insert(0, str(REPO))
-import utils  # noqa: E402
+import dist_utils  # noqa: E402
 
 FIGURES = ["compute_limit_img_s", "single_img_s", "single_ratio", "ddp_img_s", "ddp_ratio", "accum_img_s",
            "accum_speedup", "first_step_s", "import_s", "startup_s", "loader_img_s", "textbook_loader_img_s",
@@ -44,7 +44,7 @@ def test_tiny_bench_writes_every_figure(tmp_path):
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) == 14, proc.stdout  # the header, its rule and 12 rows
     assert sum("skipped: --tiny" in line for line in table) == 2, proc.stdout
-    bf16 = config["device"] == "cuda" or utils.cpu_computes_bf16()
+    bf16 = config["device"] == "cuda" or dist_utils.cpu_computes_bf16()
     amp_row = next(line for line in table if "train_ddp_amp.py --amp-dtype bf16" in line)
     if bf16:
         assert result["amp_img_s"] > 0 and "bf16" in runs["amp"][0]["cmd"], amp_row

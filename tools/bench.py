@@ -92,7 +92,7 @@ def run_process(cmd, threads, timeout, **env):
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
                                 text=True, start_new_session=True)
 
-        def kill():  # torchrun's ranks too: each has the parent-death signal set (utils.require_launcher)
+        def kill():  # torchrun's ranks too: each has the parent-death signal set (dist_utils.require_launcher)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         timer = threading.Timer(timeout, lambda: (expired.set(), kill()))
@@ -155,7 +155,7 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     import utils
     textbook = torchvision.datasets.ImageFolder(str(root), T.Compose([
         T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
-    project = utils.SeededItems(builtin.ImageFiles(builtin.Samples(textbook.samples), img_size, train=True), seed=0)
+    project = utils.SeededItems(builtin.ImageFiles(builtin.FileList(textbook.samples), img_size, train=True), seed=0)
     reads = {"project": lambda i: project[(epoch, i)], "textbook": textbook.__getitem__}
     before, rates = cpu_sample(), {}
     for name in order:
@@ -222,7 +222,7 @@ def measure(opts, cores, tmp):
     import torch
 
     import builtin
-    import utils
+    import dist_utils
     cuda = torch.cuda.is_available()
     device, gpus = torch.device("cuda" if cuda else "cpu"), torch.cuda.device_count() if cuda else 0
     nproc, threads = opts.nproc or (gpus if cuda else 2), cores
@@ -256,7 +256,7 @@ def measure(opts, cores, tmp):
     if micro_batches < 4:
         skipped["accum"] = skipped["ceiling"] = (f"{len(train_samples)} training images are too few for {nproc} "
                                                  f"processes x batch {BATCH} x 4 accumulation steps")
-    if not cuda and not utils.cpu_computes_bf16():  # emulated bf16 runs 10-30x slower than fp32: nothing to learn
+    if not cuda and not dist_utils.cpu_computes_bf16():  # emulated bf16 is 10-30x slower than fp32: no figure
         skipped["amp"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
     runs = {name: [] for name in (*scripts, "loader", "photos") if name not in skipped}
     for rep in range(repeats):

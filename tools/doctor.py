@@ -153,9 +153,9 @@ def check_backends(report, torch):
         report.add("gloo", "fail", "gloo not available", "the CPU runs need torch.distributed with gloo: install the "
                    "pytorch.org wheels", available=False)
     sys.path.insert(0, str(REPO))
-    import utils  # as train_ddp_amp.py asks
+    import dist_utils  # as train_ddp_amp.py asks
     capability = torch.backends.cpu.get_cpu_capability()
-    if utils.cpu_computes_bf16():
+    if dist_utils.cpu_computes_bf16():
         report.add("bf16", "ok", f"CPU bf16: computed natively (oneDNN has bf16 kernels; ATen: {capability})",
                    native=True)
     else:

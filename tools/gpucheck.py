@@ -79,7 +79,7 @@ def time_launches(folder, report):
     return costs, ok
 
 
-def kill(proc):  # its session; torchrun's ranks follow their launcher (utils.require_launcher's parent-death signal)
+def kill(proc):  # its session; torchrun's ranks follow it (dist_utils.require_launcher's parent-death signal)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
 
