@@ -130,25 +130,24 @@ def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsy
 
 def test_bench_exits_with_status_1_when_a_gpu_row_crashes(monkeypatch, tmp_path):
     """A GPU row that crashes (a non-zero exit) is listed as crashed and fails the bench; one that does not fit its
-    time is only skipped. Here the GPU rows' children are stand-ins."""
+    time is only skipped. Here the GPU rows' training runs are stand-ins."""
     import bench
 
-    def child(opts, what, threads, *args, timeout=None):
-        if args[0] == "--child-gpu-limit":
-            return {"cuda": True, **{mode: {"img_s": 1.0} for mode in bench.GPU_LIMIT_MODES}}, []
-        if args[0] == "--child-gpu-jpegs":
-            return {"made": 1}, []
-        if args[0] == "--child-gpu-decode":
-            raise RuntimeError(f"timed out after {timeout}s: decode")
-        raise RuntimeError(f"the {what} failed (exit 1):\nTraceback ...")
-    monkeypatch.setattr(bench, "run_child", child)
-    monkeypatch.setattr(bench, "run_training", lambda *a, **k: {"img_s": 2.0})
-    opts = types.SimpleNamespace(gpu_budget=600, limit=None)
-    rows = bench.gpu_rows(opts, 16, 16, tmp_path)
-    assert [line.split(":")[0] for line in rows["crashed"]] == [
-        "project pipeline feeding the bf16 step", "textbook pipeline feeding the bf16 step"], rows
-    assert [line.split(":")[0] for line in rows["skipped"]] == ["GPU JPEG decode"], rows
+    def train(cmd, threads, timeout, output_dir):
+        if "train_ddp_amp.py" in cmd:
+            raise RuntimeError("exit 1: Traceback ...")
+        if "in-memory-single" in cmd:
+            raise RuntimeError(f"timed out after {timeout} s: the limit")
+        return {"img_s": 2.0}
+    monkeypatch.setattr(bench, "make_jpegs", lambda *args: None)
+    monkeypatch.setattr(bench, "in_memory", lambda script, folder: "in-memory-" + script.split("_")[-1][:-3])
+    monkeypatch.setattr(bench, "train", train)
+    rows = bench.gpu_rows(types.SimpleNamespace(gpu_budget=600), 4, tmp_path)
+    assert [line.split(" --")[0] for line in rows["crashed"]] == ["amp 1 (bf16)"] * 2, rows  # --workers 3 and 2
+    assert [line.split(" --")[0] for line in rows["skipped"]] == ["limit: train_single.py, data in memory"], rows
+    assert [row["img_s"] for row in rows["rows"] if row["row"].startswith("train_single.py")] == [2.0], rows
     monkeypatch.setattr(bench, "gpu_rows", lambda *a: rows)
+    monkeypatch.setattr(bench, "torch_sees_cuda", lambda: True)
     monkeypatch.setattr(sys, "argv", ["bench.py", "--gpu-only", "--output-dir", str(tmp_path / "out")])
     assert bench.main() == 1
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["gpu"]["crashed"]
