@@ -132,8 +132,9 @@ def plan_line(plan, env):
     if plan.loopback_name:
         line += (f" ({plan.master_addr} resolves to {plan.target}, a loopback address, on this node: set "
                  f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface of the network the nodes share)")
-    values = ["0" if hosts else "1",
-              "-" if is_host is not None else str(int(plan.is_host)),
+    # is_host left to torchrun for a loopback MASTER_ADDR: several agents on one machine, and torchrun's guess (host)
+    # lets the agents after the first fall back to joining; given, it would not
+    values = ["0" if hosts else "1", "-" if is_host is not None or is_loopback(plan.target) else str(int(plan.is_host)),
               "-" if given.local_addr else plan.local_addr, plan.interface or "-"]
     return " ".join(values), f"run.sh: {line}"
 
