@@ -24,9 +24,9 @@ DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
 DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 
 try:  # TorchCodec: PyTorch's image decoder (torchvision.io's is deprecated); PIL where it is not installed
-    from torchcodec.decoders import decode_image as codec_decode
+    from torchcodec.decoders import decode_image as codec_decode, decode_jpeg as codec_jpeg
 except Exception:  # not installed, or built for another torch
-    codec_decode = None
+    codec_decode = codec_jpeg = None
 
 
 # ------------------------------------------------------------------------------------------ image folders
@@ -150,14 +150,19 @@ def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 /
 def decode_image(path, scale=None):
     """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted). scale(height, width) -> 1,
     2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT domain (PIL's draft), far cheaper."""
+    factor = 1
     try:
-        data = Path(path).read_bytes()
-        if codec_decode and not (scale and (size := jpeg_size(data)) and min(size) and (factor := scale(*size)) > 1):
-            return codec_decode(data, mode="RGB")
+        with open(path, "rb") as file:
+            data = bytearray(file.read())  # writable: a tensor shares it (torch.frombuffer)
+        size = jpeg_size(data)
+        if scale and size and min(size):
+            factor = scale(*size)
+        if codec_decode and factor == 1:  # (a JPEG straight to its decoder: no format detection, 10 % of an item)
+            return (codec_jpeg if size else codec_decode)(torch.frombuffer(data, dtype=torch.uint8), mode="RGB")
     except Exception:  # a format TorchCodec does not decode (BMP, TIFF, ...): let PIL try before giving up
-        factor = 1
+        pass
     try:
-        with Image.open(path) as image:
+        with Image.open(path) as image:  # (by name: its errors name the file)
             if factor > 1:
                 image.draft("RGB", (image.width // factor, image.height // factor))
             return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
