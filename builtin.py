@@ -43,9 +43,9 @@ def find_images(data_path, val_fraction):
         index = {name: i for i, name in enumerate(classes)}
         val = [(path, index[val_classes[label]]) for path, label in val]
     else:
-        classes, files = scan_classes(root)
+        classes, found = scan_classes(root)
         per_class, train, val = [[] for _ in classes], [], []
-        for path, label in files:  # one pass: start-up stays linear in the number of files
+        for path, label in found:  # one pass: start-up stays linear in the number of files
             per_class[label].append(path)
         for label, files in enumerate(per_class):
             order = torch.randperm(len(files), generator=torch.Generator().manual_seed(label)).tolist()
