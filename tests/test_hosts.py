@@ -174,3 +174,12 @@ def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hos
         assert hostname[0].startswith(f"warn  hostname {socket.gethostname()} resolves to "), hostname
         assert "other machines cannot connect" in hostname[0] and "GLOO_SOCKET_IFNAME" in hostname[0], hostname
         assert any(line.startswith("ok    MASTER_ADDR=") and port in line for line in lines), lines
+
+
+def test_without_iproute2_a_node_still_finds_the_address_that_reaches_master_addr(hosts):
+    """Slim container images have no `ip`: the plan falls back to the address a UDP connect picks, interface unknown."""
+    (_, address_a, _), (_, address_b, _) = hosts["a"], hosts["b"]
+    env = job_env(MASTER_ADDR=address_a, MASTER_PORT="29500", PATH="/nonexistent")
+    command = in_host(hosts["b"], [sys.executable, "tools/hosts.py", "plan"])
+    plan = run([shutil.which("ip"), *command[1:]], env=env, timeout=60)  # `ip netns exec` itself, by its full path
+    assert plan.returncode == 0 and plan.stdout.split() == ["1", "0", address_b, "-"], plan.stdout + plan.stderr

@@ -7,9 +7,7 @@ routing table picks to reach it (`ip -o route get MASTER_ADDR`). Standard librar
 
     python tools/hosts.py plan    one line saying what this node uses; for run.sh: WAIT IS_HOST LOCAL_ADDR INTERFACE
     python tools/hosts.py wait    wait (up to RDZV_TIMEOUT) until MASTER_ADDR:MASTER_PORT answers, or one line why not
-
-Both read MASTER_ADDR, MASTER_PORT, RDZV_TIMEOUT, TORCHRUN_ARGS and *_SOCKET_IFNAME: what the user set wins.
-"""
+Both read MASTER_ADDR, MASTER_PORT, RDZV_TIMEOUT, TORCHRUN_ARGS and *_SOCKET_IFNAME: what the user set wins."""
 import ipaddress
 import os
 import socket
@@ -35,13 +33,17 @@ def holds(address):
 
 
 def route(address, held):
-    """(local address, interface) that reach address, from iproute2: `ip -o route get` (for an address this node
-    holds, the interface that holds it: `ip -o addr show to`). Raises OSError with the reason."""
+    """(local address, interface) reaching address: `ip -o route get` (held: `ip -o addr show to`); without iproute2
+    (a slim container image) the address a UDP connect picks, the interface unknown. OSError with the reason."""
     args = ("addr", "show", "to", address) if held else ("route", "get", address)
     try:
         done = subprocess.run(["ip", "-o", *args], capture_output=True, text=True, timeout=10, check=True)
     except subprocess.CalledProcessError as error:  # e.g. "RTNETLINK answers: Network is unreachable"
         raise OSError(error.stderr.strip().rpartition(": ")[2] or "no route") from None
+    except FileNotFoundError:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            return (address if held else sock.getsockname()[0]), None
     except (OSError, subprocess.TimeoutExpired) as error:
         raise OSError(f"`ip -o {' '.join(args)}` (iproute2) failed: {error}") from None
     words = done.stdout.split()  # "2: eth0    inet 10.0.0.1/24 ..." or "10.0.0.2 via 10.0.0.254 dev eth0 src 10.0.0.1"
@@ -75,10 +77,8 @@ class Plan:
             named = f" ({self.target})" if self.target != master_addr else ""
             raise OSError(f"no route from this node to MASTER_ADDR {master_addr}{named}: "
                           f"{error}: check MASTER_ADDR, or this node's network") from None
-        # A name that resolves to loopback here (a hosts file's "127.0.1.1 node1") names this node, but the others
-        # cannot reach that address: give them the name, and leave the interface to the user.
-        self.loopback_name = is_loopback(self.local_addr) and not (master_addr == "localhost"
-                                                                   or is_loopback(master_addr))
+        # A name resolving to loopback here ("127.0.1.1 node1") names this node: the others get the name
+        self.loopback_name = is_loopback(self.local_addr) and not is_loopback(master_addr)
         if self.loopback_name:
             self.local_addr, self.interface = master_addr, None
 
