@@ -156,22 +156,22 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     textbook = torchvision.datasets.ImageFolder(str(root), T.Compose([
         T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
     project = utils.SeededItems(builtin.ImageFiles(builtin.FileList(textbook.samples), img_size, train=True), seed=0)
-    reads = {"project": lambda i: project[(epoch, i)], "textbook": textbook.__getitem__}
+    # a new crop every read, as the textbook's (an epoch a pass): 6 photos' 6 crops would fix their decode scales
+    reads = {"project": lambda n: project[(epoch * (1 << 40) + n // len(project), n % len(project))],
+             "textbook": lambda n: textbook[n % len(project)]}
     before, rates = cpu_sample(), {}
     for name in order:
-        position = iter(range(0, 1 << 40, batch))  # each call a batch of the next files, round the folder
+        batches = (range(n, n + batch) for n in range(0, 1 << 40, batch))  # each call the next reads
 
-        def read_batch(read=reads[name], position=position):
-            first = next(position)
-            return default_collate([read((first + i) % len(project)) for i in range(batch)])
+        def read_batch(read=reads[name], batches=batches):
+            return default_collate([read(n) for n in next(batches)])
         rates[name] = batch / timed(read_batch, 1, seconds)
     return {"img_s": rates["project"], "textbook_img_s": rates["textbook"],
             "speedup": rates["project"] / rates["textbook"], "others": other_cores(before)}
 
 
 def make_jpegs(folder, count, size, classes=1):
-    """count photo-like JPEGs (smooth colours and fine noise, quality 90: they compress as photos do, 4.3 MiB at 12
-    MP, not as a flat colour would) in `classes` class folders, written on every core (PIL only)."""
+    """count photo-like JPEGs (smooth colours, fine noise, quality 90: 4.3 MiB at 12 MP) in class folders, by PIL."""
     import multiprocessing
     for label in range(classes):
         (Path(folder) / f"class{label}").mkdir(parents=True, exist_ok=True)
