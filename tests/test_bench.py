@@ -1,6 +1,7 @@
-"""bash run.sh bench --tiny (one repetition at a 32-pixel crop, batch 8, without dp and the ceiling): runs end to end
-and writes a complete bench.json, every training row and the limit timed the same way. No speed is asserted (the
-machine may be shared). (The all-reduce counts of accumulation are proven by tests/test_ddp.py, from --profile.)"""
+"""bash run.sh bench 1 --tiny (one repetition at a 32-pixel crop, batch 8, without dp and the ceiling; the DDP rows
+under torchrun with 1 process): runs end to end and writes a complete bench.json, every training row and the limit
+timed the same way. No speed is asserted (the machine may be shared). (The all-reduce counts of accumulation are
+proven by tests/test_ddp.py, from --profile.)"""
 import json
 import math
 import sys
@@ -19,7 +20,7 @@ def test_tiny_bench_writes_every_figure(tmp_path):
     out = tmp_path / "bench"
     env = cpu_env(PYTHON=sys.executable)
     env.pop("OMP_NUM_THREADS", None)  # bench.py sets the threads of every measurement itself
-    proc = run(["bash", "run.sh", "bench", "--tiny", "--output-dir", out], env=env, timeout=300)
+    proc = run(["bash", "run.sh", "bench", "1", "--tiny", "--output-dir", out], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())

@@ -62,24 +62,6 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     assert checkpoint["optimizer"].startswith("last-step6-") and (checkpoint["epoch"], checkpoint["samples"]) == (2, 0)
 
 
-def test_evaluation_is_exact_for_any_world_size(runs, tiny_data, bare, tmp_path):
-    """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
-    all-gathers in every forward), and every image is counted once. At 2 processes, the training run's own last
-    evaluation (batch 8: 9 and 8 images, 2 and 1 batches) of the weights it saved (--freeze: its BatchNorm
-    statistics never change); at 1 and 3 (batch 4: 2, 2 and 2 batches of 6, 6 and 5), --test-only of its last.pt."""
-    common = ["--test-only", "--resume", runs["dir"] / "fsdp" / "last.pt", "--data-path", tiny_data, "--img-size",
-              "32", "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
-    for nproc in (1, 3):
-        ok(fsdp(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
-    evaluated = {nproc: results(tmp_path / str(nproc)) for nproc in (1, 3)}
-    trained = results(runs["dir"] / "fsdp")
-    for nproc, figures in evaluated.items():
-        assert figures["val_count"] == 17, (nproc, figures)
-        assert figures["val_acc"] == evaluated[1]["val_acc"] == trained["final_acc"], (nproc, figures)
-        assert figures["val_loss"] == pytest.approx(evaluated[1]["val_loss"], rel=1e-6), nproc
-        assert figures["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6), nproc
-
-
 def test_resume_from_another_scripts_checkpoint_says_what_to_use(exact_single, tiny_data, bare, tmp_path):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
     proc = fsdp(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", exact_single / "last.pt", "--output-dir",
@@ -147,15 +129,24 @@ def test_no_warning_of_a_deprecated_or_unclosed_thing(references):
     assert not warned, warned
 
 
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(trained_bn, tiny_data, tmp_path):
-    """The buffer trap: FSDP leaves each rank's BatchNorm statistics its own. Evaluated and saved with rank 0's,
-    the logged figure is what --test-only measures on last.pt."""
-    ok(fsdp(REPO, 2, "--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size", "32",
-            "--val-fraction", "0.25", "--output-dir", tmp_path / "eval"))
-    logged, evaluated = results(trained_bn), results(tmp_path / "eval")
-    assert evaluated["val_count"] == logged["val_count"] == 17
-    assert evaluated["val_acc"] == logged["final_acc"]
-    assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
+def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_figures(trained_bn, tiny_data, bare,
+                                                                                       tmp_path):
+    """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
+    all-gathers in every forward), and every image is counted once. And the buffer trap: FSDP leaves each rank's
+    BatchNorm statistics its own; evaluated and saved with rank 0's, what bash run.sh fsdp 2 logged at its end
+    (batch 8: 9 and 8 images, 2 and 1 batches) is what --test-only measures on its last.pt at 1 and 3 processes
+    (batch 4: 2, 2 and 2 batches of 6, 6 and 5)."""
+    common = ["--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size", "32",
+              "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
+    for nproc in (1, 3):
+        ok(fsdp(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
+    logged = results(trained_bn)
+    assert logged["val_count"] == 17
+    for nproc in (1, 3):
+        evaluated = results(tmp_path / str(nproc))
+        assert evaluated["val_count"] == 17 and evaluated["val_acc"] == logged["final_acc"], (nproc, evaluated)
+        assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6), nproc
+        assert evaluated["confusion"] == logged["confusion"], nproc
 
 
 def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):

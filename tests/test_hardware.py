@@ -10,7 +10,7 @@ import torch
 
 import dist_utils
 import utils
-from conftest import DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run, run_sh
+from conftest import BF16, DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run, run_sh
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
@@ -61,37 +61,37 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     assert loaded["nested"][0][1]["x"].device.type == "cpu" and torch.equal(loaded["rng"], state["rng"])
 
 
-def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(tiny_data, tmp_path):
+def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_runs, tiny_data, tmp_path):
     """On a CPU whose oneDNN has no bf16 kernels (emulated here with ONEDNN_MAX_CPU_ISA=AVX2, where bf16 autocast
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
     args, out = [*DEFAULTS, "--epochs", "1", "--data-path", tiny_data], tmp_path
     check = ["tools/doctor.py", "--no-allreduce"]
     refused = run_sh("amp", 1, *args, "--output-dir", out / "refused", env=job_env(**AVX2_ONLY))
-    asked = run_sh("amp", 1, *args, "--amp-dtype", "bf16", "--output-dir", out / "asked", env=job_env(**AVX2_ONLY))
     doctor = run([sys.executable, *check], env=job_env(**AVX2_ONLY), timeout=120)
-    native = run([sys.executable, *check], timeout=120)
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
     assert "Traceback" not in refused.stderr and not (out / "refused" / "last.pt").exists()
-    ok(asked)
-    assert asked.stdout.count("warning: this CPU has no bf16 arithmetic") == 1, asked.stdout[-2000:]
-    assert (out / "asked" / "results.json").exists()
     assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
         doctor.stdout
-    if dist_utils.cpu_computes_bf16():  # this machine's own CPU
+    if dist_utils.cpu_computes_bf16():  # this machine's own CPU computes it: a run made to look like one that cannot
+        asked = ok(run_sh("amp", 1, *args, *BF16, "--output-dir", out / "asked", env=job_env(**AVX2_ONLY))).stdout
+        native = run([sys.executable, *check], timeout=120)
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
+    else:  # it cannot: the amp run of default_runs asked for bf16 by name, and trained
+        asked = (default_runs / "amp.out").read_text()
+    assert asked.count("warning: this CPU has no bf16 arithmetic") == 1, asked[-2000:]
 
 
-def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, tiny_data, tmp_path):
-    """tests/test_gpu.py's fp16 run clips at FP16_CLIP: the same run in bf16 on the CPU learns (better than the 6 of
-    17 that guessing one class scores) and ends elsewhere than the unclipped run, so the clip did act."""
-    out = tmp_path / "clipped"
-    ok(run_sh("amp", 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--clip-grad", FP16_CLIP,
-              "--output-dir", out))
-    assert json.loads((out / "results.json").read_text())["best_acc"] > 0.5
-    clipped, free = load_model_state(out / "last.pt"), load_model_state(default_runs / "amp" / "last.pt")
+def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, fsdp_references, tiny_data, tmp_path):
+    """tests/test_gpu.py's fp16 run clips at FP16_CLIP. default_runs' amp run clips there too, in bf16 on the CPU, and
+    learns (better than the 6 of 17 that guessing one class scores); and the clip acts on these runs' gradients
+    (the first steps' norm is 60-80): the fp32 FSDP run clipped at it (the global norm, as one process clips:
+    test_fsdp.py) ends elsewhere than the unclipped one (fsdp_references' BatchNorm run)."""
+    assert json.loads((default_runs / "amp" / "results.json").read_text())["best_acc"] > 0.5
+    ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--clip-grad", FP16_CLIP, "--output-dir", tmp_path))
+    clipped, free = load_model_state(tmp_path / "last.pt"), load_model_state(fsdp_references["bn"] / "last.pt")
     assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())
 
 

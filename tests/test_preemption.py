@@ -14,26 +14,26 @@ import uuid
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after,
+from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after,
                       assert_same_weights, checkpoint_step, children, command, deliver, descendants, finish, job_env,
                       kill_job, load_model_state, ok, ranks, read_until, run_sh, start_sh)
 
 
-def stop_and_resume(mode, hows, signum, reference, tiny_data, folder):
-    """bash run.sh MODE 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
+def stop_and_resume(hows, signum, reference, tiny_data, folder, second_job=False):
+    """bash run.sh ddp 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
     turn (conftest.deliver; "launcher killed": SIGKILL of the torchrun agent, whose ranks then get SIGTERM from the
     kernel): the first to the new job, each next one to the job that resumed the last stop (with --resume auto),
-    after its own first step. While the first job runs (paused), a second one started into its folder with --resume
-    auto ends at once in one line. A last --resume auto must end with the reference's weights."""
-    args = [mode, 2, *DEFAULTS, *(BF16 if mode == "amp" else []), "--data-path", tiny_data, "--output-dir",
-            folder / "run"]
+    after its own first step. With second_job, while the first job runs (paused), a second one started into its
+    folder with --resume auto ends at once in one line. A last --resume auto must end with the reference's
+    weights."""
+    args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     stopped_after = 0
     for how in hows:
         resume = ["--resume", "auto"] if stopped_after else []
         job, lines, pids = start_sh(*args, *resume), [], []
         if read_until(job, lines, "  step "):  # its first progress line
             pids = descendants(job.pid)
-            if not stopped_after:
+            if second_job and not stopped_after:
                 second_job_into_the_same_folder(job, args, folder / "run")
             if how == "launcher killed":
                 deliver(job, "agent", signal.SIGKILL)
@@ -85,13 +85,14 @@ def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, 
     job's own first step, each saved, no process left within seconds, and the last resume ends with the
     uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
-    stop_and_resume("ddp", ("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp",
-                    tiny_data, tmp_path)
+    stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp", tiny_data,
+                    tmp_path, second_job=True)
 
 
 def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
-    """SIGINT to run.sh's process group (a terminal's Ctrl-C), the amp rung (stop_and_resume)."""
-    stop_and_resume("amp", ("group",), signal.SIGINT, default_runs / "amp", tiny_data, tmp_path)
+    """SIGINT to run.sh's process group (a terminal's Ctrl-C) (stop_and_resume). (The amp rung's stop and exact
+    resume: test_adapting.py, in bf16.)"""
+    stop_and_resume(("group",), signal.SIGINT, default_runs / "ddp", tiny_data, tmp_path)
 
 
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
