@@ -169,12 +169,12 @@ def amp_run(tmp_path_factory, tiny_data, bare, hub_cache):
 @pytest.fixture(scope="session")
 def evaluations(tmp_path_factory, default_runs, tiny_data, bare):
     """--test-only of default_runs' last.pt (BatchNorm training, loader workers) by each DDP rung at 1, 2 and 3
-    processes: {name: results.json}. "single": train_single.py; "launch": train_ddp_launch.py, 2 processes under
-    torch.distributed.launch; "alone": train_ddp_launch.py --local_rank=0 (the old spelling) with a launcher's
-    variables and no launcher; "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes,
-    of the amp run's last.pt."""
+    processes: {name: results.json}. "alone": train_ddp_launch.py --local_rank=0 (the old spelling) with a launcher's
+    variables and no launcher, 1 process; "launch": train_ddp_launch.py, 2 processes under torch.distributed.launch;
+    "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes, of the amp run's last.pt.
+    (train_single.py's evaluation equals DDP's: test_ddp.py's ladder runs.)"""
     alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    cases = {"single": (["train_single.py"], "ddp"), "alone": (["train_ddp_launch.py", "--local_rank=0"], "ddp"),
+    cases = {"alone": (["train_ddp_launch.py", "--local_rank=0"], "ddp"),
              "launch": (["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2",
                          "train_ddp_launch.py"], "ddp"),
              "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",

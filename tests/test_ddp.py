@@ -91,11 +91,11 @@ def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache
 
 def test_evaluation_is_exact_for_any_world_size(evaluations):
     """17 validation images: DistributedSampler would pad them to 18; every count and sum must match 1 process
-    (conftest.evaluations: one checkpoint evaluated by train_single.py, train_ddp_launch.py at 2 processes and alone
-    with --local_rank=0, the old spelling, and train_ddp_torchrun.py at 3)."""
-    one = evaluations["single"]
+    (shared.evaluations: one checkpoint evaluated by train_ddp_launch.py alone with --local_rank=0, the old spelling,
+    and at 2 processes, and by train_ddp_torchrun.py at 3)."""
+    one = evaluations["alone"]
     assert one["val_count"] == 17
-    for name in ("launch", "alone", "torchrun"):
+    for name in ("launch", "torchrun"):
         other = evaluations[name]
         assert other["val_count"] == 17 and other["val_acc"] == one["val_acc"], (name, other, one)
         assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), name
