@@ -1,7 +1,8 @@
 """Stopping a run the way clusters and people do, with the settings a user gets: loader workers (the default
 --workers 2, persistent), BatchNorm in train mode, jobs started by run.sh, signals delivered to the torchrun agent
-(which forwards them with os.killpg), to every process of the job (SLURM's scancel and preemption), or to run.sh's
-process group (a terminal's Ctrl-C). Every claim ends with real weights compared to an uninterrupted run.
+(which forwards them with os.killpg) or to every process of the job (SLURM's scancel and preemption); a terminal's
+Ctrl-C (tests/test_run_sh.py, and here typed into one). Every claim ends with real weights compared to an
+uninterrupted run.
 """
 import os
 import pty
@@ -19,13 +20,13 @@ from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resum
                       kill_job, load_model_state, ok, ranks, read_until, run_sh, start_sh)
 
 
-def stop_and_resume(hows, signum, reference, tiny_data, folder, second_job=False):
+def stop_and_resume(hows, signum, reference, tiny_data, folder):
     """bash run.sh ddp 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
     turn (conftest.deliver; "launcher killed": SIGKILL of the torchrun agent, whose ranks then get SIGTERM from the
     kernel): the first to the new job, each next one to the job that resumed the last stop (with --resume auto),
-    after its own first step. With second_job, while the first job runs (paused), a second one started into its
-    folder with --resume auto ends at once in one line. A last --resume auto must end with the reference's
-    weights."""
+    after its own first step. While the first job runs (paused), a second one started into its folder with --resume
+    auto ends at once in one line. A last --resume auto must end with the reference's weights. (Ctrl-C to run.sh's
+    process group: tests/test_run_sh.py.)"""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     stopped_after = 0
     for how in hows:
@@ -33,7 +34,7 @@ def stop_and_resume(hows, signum, reference, tiny_data, folder, second_job=False
         job, lines, pids = start_sh(*args, *resume), [], []
         if read_until(job, lines, "  step "):  # its first progress line
             pids = descendants(job.pid)
-            if second_job and not stopped_after:
+            if not stopped_after:
                 second_job_into_the_same_folder(job, args, folder / "run")
             if how == "launcher killed":
                 deliver(job, "agent", signal.SIGKILL)
@@ -86,13 +87,7 @@ def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, 
     uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
     stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp", tiny_data,
-                    tmp_path, second_job=True)
-
-
-def test_ctrl_c_to_run_sh_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
-    """SIGINT to run.sh's process group (a terminal's Ctrl-C) (stop_and_resume). (The amp rung's stop and exact
-    resume: test_adapting.py, in bf16.)"""
-    stop_and_resume(("group",), signal.SIGINT, default_runs / "ddp", tiny_data, tmp_path)
+                    tmp_path)
 
 
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):

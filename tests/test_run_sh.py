@@ -102,8 +102,9 @@ def run_on_a_terminal(args, until, timeout):
             os.waitpid(pid, 0)
 
 
-def sighup(how, args, folder):
-    """bash run.sh ARGS hung up `how` after its first step: the step its last.pt was saved after."""
+def stop(how, args, folder):
+    """bash run.sh ARGS stopped after its first step: its terminal closes (SIGHUP from the kernel), or a Ctrl-C
+    (SIGINT to run.sh's process group). The step its last.pt was saved after."""
     if how == "terminal closes":
         output, status, pids = run_on_a_terminal(args, until="  step ", timeout=180)
         assert status == 128 + signal.SIGHUP, (how, status, output[-3000:])
@@ -111,27 +112,29 @@ def sighup(how, args, folder):
         job, lines, pids = start_sh(*args), [], []
         if read_until(job, lines, "  step "):
             pids = descendants(job.pid)
-            os.killpg(job.pid, signal.SIGHUP)
+            os.killpg(job.pid, signal.SIGINT)
         output = finish(job, lines, timeout=60)
-        assert pids and job.returncode == 128 + signal.SIGHUP, (how, output[-3000:])
-        assert len(stopped_by(output, "SIGHUP")) == 1, (how, output[-3000:])
-        assert output.rstrip().splitlines()[-1].startswith("stopped by SIGHUP"), (how, output[-3000:])
+        assert pids and job.returncode == 128 + signal.SIGINT, (how, output[-3000:])
+        assert len(stopped_by(output, "SIGINT")) == 1, (how, output[-3000:])
+        assert output.rstrip().splitlines()[-1].startswith("stopped by SIGINT"), (how, output[-3000:])
+        assert "Traceback" not in output and not (folder / "run" / "results.json").exists(), output[-3000:]
     assert_gone(pids)
     return checkpoint_step(torch.load(folder / "run" / "last.pt", weights_only=True), 3)
 
 
-def test_sighup_stops_and_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data,
+                                                                                              tmp_path):
     """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
-    the ranks' output can no longer be written there), then a shell passes its hangup on to the process group of
-    the run.sh that resumed it: each stopped after the job's own first step and saved it; a last --resume auto ends
-    with the uninterrupted weights."""
+    the ranks' output can no longer be written there); then Ctrl-C (SIGINT to the process group of the run.sh that
+    resumed it, exit 130): each stopped after the job's own first step and saved it, no process left; a last
+    --resume auto ends with the uninterrupted weights."""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
-    closed = sighup("terminal closes", args, tmp_path)
+    closed = stop("terminal closes", args, tmp_path)
     assert 1 <= closed <= 3, closed  # (the job starts and saves in epoch 1; its 3 steps are all it may reach)
-    hung_up = sighup("group", [*args, "--resume", "auto"], tmp_path)
-    assert hung_up > closed, (closed, hung_up)
+    interrupted = stop("Ctrl-C", [*args, "--resume", "auto"], tmp_path)
+    assert interrupted > closed, (closed, interrupted)
     resumed = ok(run_sh(*args, "--resume", "auto"))
-    assert_resumed_after(resumed.stdout, step=hung_up)
+    assert_resumed_after(resumed.stdout, step=interrupted)
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
                         load_model_state(default_runs / "ddp" / "last.pt"))
 
