@@ -172,8 +172,7 @@ def torchrun(nproc, script, *args, cwd=REPO, env=None, timeout=150, launcher="to
 
 
 def in_this_process(script, args, capfd):
-    """`python SCRIPT ARGS` run in this process, where torch is imported already (for bad input that ends before any
-    training): its exit status and stderr."""
+    """`python SCRIPT ARGS` in this process, torch imported already (bad input ending before training): code, stderr."""
     capfd.readouterr()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [script, *map(str, args)])
@@ -200,8 +199,7 @@ def read_until(job, lines, marker):
 
 
 def finish(job, lines, timeout):
-    """The job's whole output once it has ended (within `timeout` seconds, or every process of it is killed and the
-    test fails)."""
+    """The job's whole output once it has ended within `timeout` s (else every process of it is killed: a failure)."""
     try:
         lines.append(job.communicate(timeout=timeout)[0])
     except subprocess.TimeoutExpired:
@@ -222,9 +220,12 @@ def deliver(job, how, signum):
     elif how == "group":
         os.killpg(job.pid, signum)
     else:
-        for pid in [job.pid, *descendants(job.pid)]:
+        pids = [job.pid, *descendants(job.pid)]
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+        while signum == signal.SIGSTOP and any(proc_field(p, "state") not in ("T", "Z", "") for p in pids):
+            time.sleep(0.01)  # kill() returns before a process running on the other core has stopped (seen: a write)
 
 
 def children(pid):

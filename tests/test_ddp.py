@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, assert_resumed_after, assert_same_weights,
-                      children, collectives_per_step, finish, free_port, job_env, kill_job, load_model_state,
-                      ok, run, run_sh, start, torchrun)
+                      children, collectives_per_step, finish, load_model_state, ok, run, run_sh, start, torchrun)
 from shared import make_dataset
 
 TOL = 1e-5
@@ -187,23 +186,6 @@ def test_clip_grad_bounds_each_step(amp_run, initial_weights, tiny_data, bare, t
     # gradient norm + 1e-4 x the head's norm, ~1)
     bound = sum(progress(proc.stdout, "lr")) * 10 * (clip + 1e-4 * 1.5)
     assert moved["clipped"] <= bound < moved["unclipped"] / 10, (moved, bound)
-
-
-def test_two_nodes_match_one_node(runs, tiny_data, tmp_path):
-    """Two torchrun agents (one process each) rendezvous over c10d on 127.0.0.1, started by run.sh."""
-    env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-two-nodes")
-    cmd = ["bash", "run.sh", "ddp", "1", *COMMON, "--data-path", tiny_data, "-b", "8", "--output-dir",
-           tmp_path / "nodes"]
-    nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
-    try:
-        outputs = [finish(node, [], timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_job(node.token)
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert sum("global batch 16 = 8 per process x 2 processes" in out for out in outputs) == 1
-    assert_same_weights(load_model_state(tmp_path / "nodes" / "last.pt"),
-                        load_model_state(runs["dir"] / "ddp" / "last.pt"), atol=TOL)
 
 
 def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):

@@ -173,7 +173,8 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
     NCCL peer died) and the other node's worker dies (SIGKILL). The second agent counts a restart; the first
     restarts for the membership change, which torchrun does not count, so the two nodes' restart counts differ (the
     agents' own log lines say which each did). Both must still meet, resume from the checkpoint and finish with the
-    uninterrupted weights."""
+    uninterrupted weights: two nodes (run.sh, NNODES=2, c10d on 127.0.0.1) end as one process with the global batch
+    (tests/test_hosts.py: two hosts, without a restart, bitwise as one machine)."""
     env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-restart",
                   TORCHRUN_ARGS="--max-restarts=1", LOGLEVEL="INFO")  # INFO: the agents say why they restart
     args = ["ddp", 1, *EXACT, "--data-path", tiny_data, "-b", "8", "--save-every", "1",
@@ -204,6 +205,7 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
     assert [node.returncode for node in nodes] == [0, 0], [t[-3000:] for t in text]
     assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in text[1], text[1][-3000:]
     assert "new nodes from group_rank=" in text[0] and "Worker group FAILED" not in text[0], text[0][-3000:]
+    assert sum(t.count("global batch 16 = 8 per process x 2 processes") for t in text) == 2, text  # rank 0, twice
     resumed = [t for t in text if "resuming from" in t]
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
