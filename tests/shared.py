@@ -95,15 +95,22 @@ def shared_run(tmp_path_factory, name, make):
 
 
 @pytest.fixture(scope="session")
-def default_runs(tmp_path_factory, tiny_data):
-    """Uninterrupted runs with the defaults, torchrun and amp rungs, 2 processes through run.sh: its folder/<mode>.
-    The amp run clips at FP16_CLIP, as tests/test_gpu.py's fp16 run does; its output is in folder/amp.out."""
+def default_ddp(tmp_path_factory, tiny_data):
+    """bash run.sh ddp 2 with the defaults (loader workers, BatchNorm training), uninterrupted: its folder."""
     def make(folder):
-        ok(run_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "ddp"))
+        ok(run_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"))
+    return shared_run(tmp_path_factory, "default_ddp", make)[0] / "run"
+
+
+@pytest.fixture(scope="session")
+def default_amp(tmp_path_factory, tiny_data):
+    """bash run.sh amp 2 with the defaults and bf16, clipped at FP16_CLIP as tests/test_gpu.py's fp16 run is: its
+    folder, its output in stdout.txt there."""
+    def make(folder):
         amp = ok(run_sh("amp", 2, *DEFAULTS, *BF16, "--clip-grad", FP16_CLIP, "--data-path", tiny_data,
-                        "--output-dir", folder / "amp"))
-        (folder / "amp.out").write_text(amp.stdout)
-    return shared_run(tmp_path_factory, "default_runs", make)[0]
+                        "--output-dir", folder / "run"))
+        (folder / "run" / "stdout.txt").write_text(amp.stdout)
+    return shared_run(tmp_path_factory, "default_amp", make)[0] / "run"
 
 
 @pytest.fixture(scope="session")
@@ -167,27 +174,28 @@ def amp_run(tmp_path_factory, tiny_data, bare, hub_cache):
 
 
 @pytest.fixture(scope="session")
-def evaluations(tmp_path_factory, default_runs, tiny_data, bare):
-    """--test-only of default_runs' last.pt (BatchNorm training, loader workers) by each DDP rung at 1, 2 and 3
+def evaluations(tmp_path_factory, default_ddp, default_amp, tiny_data, bare):
+    """--test-only of default_ddp's last.pt (BatchNorm training, loader workers) by each DDP rung at 1, 2 and 3
     processes: {name: results.json}. "alone": train_ddp_launch.py --local_rank=0 (the old spelling) with a launcher's
     variables and no launcher, 1 process; "launch": train_ddp_launch.py, 2 processes under torch.distributed.launch;
-    "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes, of the amp run's last.pt.
+    "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes, of default_amp's last.pt.
     (train_single.py's evaluation equals DDP's: test_ddp.py's ladder runs.)"""
     alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    cases = {"alone": (["train_ddp_launch.py", "--local_rank=0"], "ddp"),
+    cases = {"alone": (["train_ddp_launch.py", "--local_rank=0"], default_ddp),
              "launch": (["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2",
-                         "train_ddp_launch.py"], "ddp"),
+                         "train_ddp_launch.py"], default_ddp),
              "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                           "train_ddp_torchrun.py"], "ddp"),
-             "amp": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ddp_amp.py"], "amp")}
+                           "train_ddp_torchrun.py"], default_ddp),
+             "amp": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ddp_amp.py"],
+                     default_amp)}
 
     def make(folder):
         results = {}
-        for name, (started_as, mode) in cases.items():
+        for name, (started_as, run_dir) in cases.items():
             env = job_env(**alone, MASTER_PORT=str(free_port())) if name == "alone" else job_env()
-            ok(run([sys.executable, *started_as, "--test-only", "--resume", default_runs / mode / "last.pt",
+            ok(run([sys.executable, *started_as, "--test-only", "--resume", run_dir / "last.pt",
                     "--data-path", tiny_data, "--img-size", "32", "--val-fraction", "0.25",
-                    *(BF16 if mode == "amp" else []), "--output-dir", folder / name], cwd=bare, env=env))
+                    *(BF16 if name == "amp" else []), "--output-dir", folder / name], cwd=bare, env=env))
             results[name] = json.loads((folder / name / "results.json").read_text())
         return results
     return shared_run(tmp_path_factory, "evaluations", make)[1]

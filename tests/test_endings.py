@@ -97,11 +97,11 @@ def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fs
     assert [p.name for p in (tmp_path / "run").iterdir() if ".dcp" in p.name] == [checkpoint["optimizer"]]
 
 
-def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(default_runs, tiny_data, tmp_path):
+def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(default_ddp, tiny_data, tmp_path):
     """train_ddp_torchrun.py's last.pt has no scaler state: the amp rung continues it (a new GradScaler) instead of
     ending with KeyError: 'scaler', and saves what it trained when stopped (after its first step or two: bf16 is
     slow on a CPU without bf16 arithmetic)."""
-    shutil.copytree(default_runs / "ddp", tmp_path / "run")
+    shutil.copytree(default_ddp, tmp_path / "run")
     job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         "train_ddp_amp.py", *DEFAULTS, *BF16, "--epochs", "3", "--workers", "0", "--data-path",
                         tiny_data, "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run"]), []

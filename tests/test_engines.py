@@ -101,7 +101,7 @@ ENGINES = {  # name: (pod a, pod b), each (hostname, environment, launcher)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_each_engine_started_its_way_trains_as_one_machine_does(engine, pods, default_runs, tiny_data, tmp_path):
+def test_each_engine_started_its_way_trains_as_one_machine_does(engine, pods, default_ddp, tiny_data, tmp_path):
     """Two pods (nodes) of one process each, as the engine starts them, equal one machine with 2 processes and the
     same settings, bitwise: the ranks, LOCAL_RANK and the master come from the engine's variables alone. With the
     loader workers a user gets, in a pod's 64 MB /dev/shm (their batches fit)."""
@@ -113,7 +113,7 @@ def test_each_engine_started_its_way_trains_as_one_machine_does(engine, pods, de
     assert output.count("global batch 16 = 8 per process x 2 processes") == 1, output
     assert not any("Traceback" in node.stderr or "error:" in node.stderr for node in results), results
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+                        load_model_state(default_ddp / "last.pt"))
     print(f"{engine}: {max(node.seconds for node in results):.1f} s")
 
 
@@ -137,7 +137,7 @@ def test_pytorchjob_python_refuses_several_processes_per_pod_and_a_master_that_n
     assert not (tmp_path / "run").exists()
 
 
-def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(pods, default_runs, tiny_data,
+def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(pods, default_ddp, tiny_data,
                                                                                tmp_path):
     """elasticPolicy: torchrun in each pod with c10d rendezvous at worker 0, max 1 restart, the manifest's
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE. The worker in pod b is killed mid-epoch: pod b's agent restarts it (a
@@ -166,7 +166,7 @@ def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(p
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+                        load_model_state(default_ddp / "last.pt"))
 
 
 # --------------------------------------------------------------------------------------- a pod's /dev/shm

@@ -199,7 +199,7 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     return eval(next(line for line in proc.stdout.splitlines() if line.startswith("dtypes "))[7:])
 
 
-def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs, tiny_data, tmp_path):
+def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_amp, tiny_data, tmp_path):
     """--amp-dtype bf16 (FSDP's MixedPrecisionPolicy), BatchNorm training, default workers: a hook in a copy of the
     script sees every BatchNorm take fp32 inputs with fp32 weights and hand bf16 to the next layer, while the
     convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
@@ -210,7 +210,7 @@ def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_runs,
     out = tmp_path
     state = load_model_state(out / "bf16" / "last.pt")
     assert state["bn1.weight"].dtype == state["bn1.running_var"].dtype == torch.float32
-    bf16, amp = results(out / "bf16"), results(default_runs / "amp")
+    bf16, amp = results(out / "bf16"), results(default_amp)
     assert bf16["best_acc"] > 0.5 and amp["best_acc"] > 0.5, (bf16, amp)  # chance: 6 of 17
 
 

@@ -61,7 +61,7 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     assert loaded["nested"][0][1]["x"].device.type == "cpu" and torch.equal(loaded["rng"], state["rng"])
 
 
-def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_runs, tiny_data, tmp_path):
+def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_amp, tiny_data, tmp_path):
     """On a CPU whose oneDNN has no bf16 kernels (emulated here with ONEDNN_MAX_CPU_ISA=AVX2, where bf16 autocast
     measured 10x slower than fp32), the amp rung refuses the default in one line naming what to run instead, and
     with --amp-dtype bf16 trains after one warning line. The doctor says the same."""
@@ -79,17 +79,17 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_runs, tiny_data, 
         asked = ok(run_sh("amp", 1, *args, *BF16, "--output-dir", out / "asked", env=job_env(**AVX2_ONLY))).stdout
         native = run([sys.executable, *check], timeout=120)
         assert any(line.startswith("ok    CPU bf16: computed natively") for line in native.stdout.splitlines())
-    else:  # it cannot: the amp run of default_runs asked for bf16 by name, and trained
-        asked = (default_runs / "amp.out").read_text()
+    else:  # it cannot: default_amp asked for bf16 by name, and trained
+        asked = (default_amp / "stdout.txt").read_text()
     assert asked.count("warning: this CPU has no bf16 arithmetic") == 1, asked[-2000:]
 
 
-def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_runs, fsdp_references, tiny_data, tmp_path):
-    """tests/test_gpu.py's fp16 run clips at FP16_CLIP. default_runs' amp run clips there too, in bf16 on the CPU, and
+def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_amp, fsdp_references, tiny_data, tmp_path):
+    """tests/test_gpu.py's fp16 run clips at FP16_CLIP. default_amp clips there too, in bf16 on the CPU, and
     learns (better than the 6 of 17 that guessing one class scores); and the clip acts on these runs' gradients
     (the first steps' norm is 60-80): the fp32 FSDP run clipped at it (the global norm, as one process clips:
     test_fsdp.py) ends elsewhere than the unclipped one (fsdp_references' BatchNorm run)."""
-    assert json.loads((default_runs / "amp" / "results.json").read_text())["best_acc"] > 0.5
+    assert json.loads((default_amp / "results.json").read_text())["best_acc"] > 0.5
     ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--clip-grad", FP16_CLIP, "--output-dir", tmp_path))
     clipped, free = load_model_state(tmp_path / "last.pt"), load_model_state(fsdp_references["bn"] / "last.pt")
     assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())

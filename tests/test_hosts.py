@@ -80,7 +80,7 @@ def nodes_env(master_addr, **extra):
             "RDZV_ID": f"hosts-{os.getpid()}-{time.time_ns()}", **extra}
 
 
-def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, default_runs, tiny_data, tmp_path):
+def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, default_ddp, tiny_data, tmp_path):
     """The README's command on each host, MASTER_ADDR the first host's address. Without what run.sh derives, neither
     agent hosts the store (the hostname resolves to 127.0.0.1) and both fail after minutes."""
     (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
@@ -98,10 +98,10 @@ def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, d
     # 2 hosts x 1 process equal 1 machine x 2 processes (with loader workers), one thread each: bitwise, BatchNorm
     # training included
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+                        load_model_state(default_ddp / "last.pt"))
 
 
-def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(hosts, default_runs, tiny_data, tmp_path):
+def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(hosts, default_ddp, tiny_data, tmp_path):
     """SLURM's way (MASTER_ADDR=$(scontrol show hostnames ... | head -n 1)): each host has its own hostname, which
     resolves to its cluster address, and MASTER_ADDR is the first one's name. torchrun's own guesses are right here,
     and run.sh's (is_host from MASTER_ADDR) agree with them."""
@@ -117,7 +117,7 @@ def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(host
     assert (f"run.sh: this node holds MASTER_ADDR rsnode-a ({address_a}) and hosts the rendezvous; it uses "
             f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in results[0].stderr
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+                        load_model_state(default_ddp / "last.pt"))
 
 
 def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp_path):

@@ -79,22 +79,22 @@ def second_job_into_the_same_folder(job, args, run):
 
 
 @pytest.mark.quick
-def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data, tmp_path):
+def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_ddp, tiny_data, tmp_path):
     """SIGTERM to the torchrun agent (it forwards the signal to each worker's process group), then to every process
     of the job that resumed it, loader workers included (SLURM's scancel and preemption), then SIGKILL of the next
     one's agent (the OOM killer, a dying login shell: its ranks must not train on as orphans): each stop after the
     job's own first step, each saved, no process left within seconds, and the last resume ends with the
     uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
-    stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_runs / "ddp", tiny_data,
+    stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_ddp, tiny_data,
                     tmp_path)
 
 
-def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_runs, tiny_data, tmp_path):
+def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_ddp, tiny_data, tmp_path):
     """The signal lands while the validation loader's workers run; the epoch is saved as trained, not evaluated.
     (Each rank forks its validation workers at the start, before its training workers: the lower pids. They read
     nothing while the training runs, and read the index queue and the image files as soon as evaluation starts.)"""
-    reference, folder = default_runs / "ddp", tmp_path
+    reference, folder = default_ddp, tmp_path
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     job, lines, landed = start_sh(*args), [], False
     if read_until(job, lines, "epoch 1/2  step 3/3"):
@@ -164,9 +164,9 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     assert saved <= int(stops[0].split("after step ")[1].split(":")[0]) <= saved + 2, (saved, stops)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_runs, tiny_data,
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_ddp, tiny_data,
                                                                                           tmp_path):
-    reference, folder, env = default_runs / "ddp", tmp_path, job_env(TORCHRUN_ARGS="--max-restarts=1")
+    reference, folder, env = default_ddp, tmp_path, job_env(TORCHRUN_ARGS="--max-restarts=1")
     job, lines, killed = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
                                   "--output-dir", folder / "run", env=env), [], False
     if read_until(job, lines, "epoch 1/2  step 2/3"):

@@ -122,7 +122,7 @@ def stop(how, args, folder):
     return checkpoint_step(torch.load(folder / "run" / "last.pt", weights_only=True), 3)
 
 
-def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninterrupted_weights(default_runs, tiny_data,
+def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninterrupted_weights(default_ddp, tiny_data,
                                                                                               tmp_path):
     """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
     the ranks' output can no longer be written there); then Ctrl-C (SIGINT to the process group of the run.sh that
@@ -136,7 +136,7 @@ def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninter
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert_resumed_after(resumed.stdout, step=interrupted)
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_runs / "ddp" / "last.pt"))
+                        load_model_state(default_ddp / "last.pt"))
 
 
 # ---------------------------------------------------------------------------------------- one line means one line

@@ -21,11 +21,11 @@ TOL = 1e-5  # see test_ddp.py
 
 
 @pytest.mark.parametrize("mode,name", [("ddp", "alone"), ("ddp", "launch"), ("ddp", "torchrun"), ("amp", "amp")])
-def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_runs, evaluations, mode, name):
+def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_ddp, default_amp, evaluations, mode, name):
     """BatchNorm in train mode: every rank must evaluate with the statistics rank 0 saves (DDP syncs them only at the
     start of a training forward). Before the fix the logged figure differed from --test-only on last.pt
     (shared.evaluations: at 1, 2 and 3 processes; amp at 2)."""
-    results = utils.json.loads((default_runs / mode / "results.json").read_text())
+    results = utils.json.loads(({"ddp": default_ddp, "amp": default_amp}[mode] / "results.json").read_text())
     evaluated = evaluations[name]
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
