@@ -27,9 +27,10 @@ def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nprint(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
     assert run([sys.executable, probe]).stdout.strip() == "''"
-    job = start_sh("single", "--help")
-    with open(f"/proc/{job.pid}/environ", "rb") as f:
-        environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    job, environ, deadline = start_sh("single", "--help"), {}, time.time() + 10
+    while not environ and time.time() < deadline:  # empty while the process is still in its execve (seen once)
+        with open(f"/proc/{job.pid}/environ", "rb") as f:
+            environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     finish(job, [], timeout=60)
     assert environ.get(b"CUDA_VISIBLE_DEVICES") == b"", environ.get(b"CUDA_VISIBLE_DEVICES")
 
