@@ -4,7 +4,7 @@ Compiling is what costs here: on 2 processes x 1 thread, resnet18 at 32 px took 
 frozen backbone and ~56 s without (the backward graph then covers every layer), with an empty inductor cache. So
 there is one compiled job, with --freeze (only the head trains, BatchNorm in eval mode), and its own empty cache, so
 that it costs the same on a fresh machine as on a warm one. It resumes the eager run's mid-epoch checkpoint
-(conftest.amp_run: the same arguments without --compile, shared with test_ddp.py; its checkpoint copied while it
+(shared.amp_run: the same arguments without --compile, shared with test_ddp.py; its checkpoint copied while it
 ran) and must end where that run ended.
 """
 import shutil

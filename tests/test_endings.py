@@ -54,7 +54,7 @@ def test_an_error_after_the_loader_workers_started_leaves_no_process_once_torchr
 
 
 def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_killed, tiny_data, tmp_path):
-    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done; conftest.ddp_killed) resumed by
+    """A mid-epoch checkpoint of 2 processes x batch 8 (16 or 32 samples done; shared.ddp_killed) resumed by
     train_ddp_launch.py on 3 processes x batch 1: the ranks skip 6/5/5 or 11/11/10 of their 16 samples, so they hold
     10/11/11 or 5/5/6 batches. Every rank must run the same steps (before, one rank was still in a backward pass
     while the others evaluated, and gloo aborted on the mismatched collectives). The reference: the torchrun rung,
@@ -74,7 +74,7 @@ def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_k
 
 
 def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fsdp_killed, tiny_data, tmp_path):
-    """Killed mid-epoch at 2 processes x batch 8 (saved as step 1 or 2; conftest.fsdp_killed), then resumed in one
+    """Killed mid-epoch at 2 processes x batch 8 (saved as step 1 or 2; shared.fsdp_killed), then resumed in one
     process at a bigger batch chosen so that its first save, after a training step, falls on that same step number
     (the bigger global batch renumbers the steps). The shards that last.pt names must hold its own weights; before, a
     save at a step already on disk kept the old shards (up to 105 apart), and the next resume went back in training.

@@ -34,14 +34,14 @@ def results(folder):
 
 @pytest.fixture(scope="module")
 def references(fsdp_references):
-    """The module's two uninterrupted runs (conftest.fsdp_references): FSDP with 2 processes x batch 8 and
+    """The module's two uninterrupted runs (shared.fsdp_references): FSDP with 2 processes x batch 8 and
     --freeze, and bash run.sh fsdp 2 with default --workers and BatchNorm training."""
     return fsdp_references
 
 
 @pytest.fixture(scope="module")
 def runs(references, exact_single):
-    """The --freeze references: one process with batch 16 (conftest.exact_single), and FSDP with 2 processes x 8."""
+    """The --freeze references: one process with batch 16 (shared.exact_single), and FSDP with 2 processes x 8."""
     return {"dir": references["dir"], "fsdp": references["fsdp"], "single": exact_single}
 
 
@@ -238,8 +238,7 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     args = [*COMMON, "--data-path", tiny_data, "-b", "4"]  # (the resumes save at epoch ends only: sooner done)
     job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                         "train_fsdp.py", *args, "--save-every", "1", "--hsdp", "2", "--output-dir", tmp_path / "whole"],
-                       cwd=bare,
-                       timeout=200), []
+                       cwd=bare, timeout=200), []
     paused = read_until(job, lines, "epoch 2/2  step 1/3")  # step 3 saved by now, step 4 perhaps
     if paused:
         checkpoint = copy_while_paused(job, tmp_path / "whole", tmp_path / "copied")

@@ -118,7 +118,7 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
 
 
 def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_killed, tiny_data, tmp_path):
-    """A checkpoint saved mid-epoch by 2 processes x batch 8 (conftest.ddp_killed) continues on 3 processes x batch 8,
+    """A checkpoint saved mid-epoch by 2 processes x batch 8 (shared.ddp_killed) continues on 3 processes x batch 8,
     and in one process with batch 24: the same samples from the same point, the LR of the new global batch, and the
     weights this test computes itself from the checkpoint and the shuffled order (continue_here, which does not use
     the scripts' skip of the samples already seen; with --freeze the forward pass of a sample ignores its batch)."""
@@ -209,7 +209,7 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
     resumed = [t for t in text if "resuming from" in t]
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
-    # the uninterrupted weights: one process with the global batch (conftest.exact_single; W x B == 1 x W*B)
+    # the uninterrupted weights: one process with the global batch (shared.exact_single; W x B == 1 x W*B)
     assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_single / "last.pt"),
                         atol=TOL)
 
