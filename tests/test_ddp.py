@@ -158,14 +158,17 @@ def progress(stdout, field):
 @pytest.mark.quick
 def test_amp_bf16_on_cpu_runs_under_autocast(runs, amp_run):
     """The amp rung with the torchrun rung's arguments: without autocast it would compute exactly what that rung
-    computes. With bf16 autocast the first loss already differs (the forward pass ran in bf16), and the weights end
-    near, not at, the torchrun rung's."""
+    computes, bitwise (the same processes, threads and order of sums). With bf16 autocast the weights end near the
+    torchrun rung's, and further from them than a different order of float32 sums could take them: bf16 keeps 8
+    bits of mantissa. (The printed losses are rounded to 4 decimals: on a CPU with native bf16 the first ones can
+    print equal, so they prove nothing here.)"""
     amp_losses, fp32_losses = progress(amp_run["stdout"], "loss"), progress(runs["ddp"].stdout, "loss")
     assert len(amp_losses) == len(fp32_losses) == 6
-    assert amp_losses[0] != fp32_losses[0] and abs(amp_losses[0] - fp32_losses[0]) < 0.05, (amp_losses, fp32_losses)
+    assert all(abs(a - b) < 0.05 for a, b in zip(amp_losses, fp32_losses)), (amp_losses, fp32_losses)
     amp, fp32 = (load_model_state(folder / "last.pt") for folder in (amp_run["dir"], runs["dir"] / "ddp"))
     assert_same_weights(amp, fp32, atol=1e-2)
-    assert not torch.equal(amp["fc.weight"], fp32["fc.weight"])
+    apart = max((amp[k].double() - fp32[k].double()).abs().max().item() for k in amp if amp[k].is_floating_point())
+    assert apart > 1e-6, apart  # without autocast: 0 (docs/proofs.md has the figures)
 
 
 CLIP = 1e-3
