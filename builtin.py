@@ -29,6 +29,35 @@ except Exception:  # not installed, or built for another torch
     codec_decode = codec_jpeg = None
 
 
+MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+
+
+def add_arguments(parser):
+    """The built-in task's flags: the image folders' and the ResNet's."""
+    parser.add_argument("--data-path", help="folder of class sub-folders, or of train/ and val/ class folders "
+                        "(default: the built-in demo data, generated into data/demo on first use)")
+    parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
+    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
+                        "validation when --data-path has no train/ and val/ folders")
+    parser.add_argument("--model", default="resnet18", choices=MODELS)
+    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints, "
+                        "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once")
+    parser.add_argument("--freeze", action="store_true",
+                        help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
+    parser.set_defaults(epochs=12)  # the demo's, and a fine-tuning's from --weights
+
+
+def datasets(args):
+    """(training set, validation set, class names) from --data-path, or from the demo data."""
+    if not 0 < args.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+    img_size = args.img_size or (64 if args.data_path is None else 224)
+    classes, train_files, val_files = find_images(args.data_path or demo_data(), args.val_fraction)
+    train_set = ImageFiles(train_files, img_size, train=True)
+    val_set = ImageFiles(val_files, img_size, train=False)
+    return train_set, val_set, classes
+
+
 # ------------------------------------------------------------------------------------------ image folders
 def find_images(data_path, val_fraction):
     """(class names, training files, validation files) from a folder of class sub-folders (split per class by

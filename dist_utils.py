@@ -156,8 +156,10 @@ def ignore_stop_signals(worker_id):
 
 
 def shard_bytes(model, optimizer):
-    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state."""
-    return {name: sum(t.to_local().nbytes for t in tensors if t is not None) for name, tensors in (
+    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state (AdamW's step counts are
+    plain tensors, on every rank)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (a DTensor's shard)
+    return {name: sum(local(t).nbytes for t in tensors if t is not None) for name, tensors in (
         ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
         ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
 

@@ -13,20 +13,96 @@ from torch.utils.data import DataLoader
 import utils
 
 
+# ------------------------------------------------------------------------------------------------ your task
+# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics. Nothing below this block names
+# our task, and the block is the same in every train_*.py (docs/adapting.md: multi-label, segmentation, regression,
+# a ViT with AdamW).
+
+
+def add_task_arguments(parser):
+    """Your task's flags, shown by --help. Ours: the built-in image folders and ResNet (--data-path, --model, ...)."""
+    import builtin  # our image folders and ResNet (builtin.py): not needed once this block is yours
+
+    builtin.add_arguments(parser)
+
+
 def build_datasets(args):
-    """Your data goes here: (training set, validation set, class names). Any map-style Dataset of (image tensor, int
-    label) items works: uint8 images are normalised on the device, float images used as given; the training set's
-    random augmentation is seeded per sample (utils.SeededItems). See docs/adapting.md."""
-    import builtin  # our image folders (builtin.py): not needed once this function is yours
-    classes, train_files, val_files = builtin.find_images(args.data_path or builtin.demo_data(), args.val_fraction)
-    return (builtin.ImageFiles(train_files, args.img_size, train=True),
-            builtin.ImageFiles(val_files, args.img_size, train=False), classes)
+    """Your data goes here: (training set, validation set, names). Any map-style Dataset of (input tensor, target)
+    items works: uint8 images are normalised on the device, float inputs used as given; the training set's random
+    augmentation is seeded per sample (utils.SeededItems). names: one per model output (class names; label names for
+    multi-label; what is predicted, for regression)."""
+    import builtin
+
+    return builtin.datasets(args)
 
 
-def build_model(args, num_classes):
-    """Your model goes here: any nn.Module that maps a batch of images to num_classes logits."""
-    import builtin  # torchvision's ResNet and its weights (builtin.py): not needed once this function is yours
-    return builtin.resnet(args.model, num_classes, args.weights, args.freeze)
+def build_model(args, num_outputs):
+    """Your model goes here: any nn.Module that maps a batch of inputs to num_outputs scores per sample (per pixel
+    for segmentation). It may also return auxiliary outputs: a tuple or namedtuple (main first), or a dict ("out")."""
+    import builtin
+
+    return builtin.resnet(args.model, num_outputs, args.weights, args.freeze)
+
+
+def build_optimizer(args, model, lr):
+    """--opt sgd: SGD with momentum and weight decay on every parameter (torchvision's classification recipe).
+    --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes)."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if args.opt == "sgd":
+        return torch.optim.SGD([p for _, p in trained], lr=lr, momentum=0.9, weight_decay=args.weight_decay)
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    tokens = ("token", "pos_embed", "pos_embedding", "position_embeddings", "relative_position_bias_table")
+    decayed, not_decayed = [], []
+    for name, p in trained:
+        if p.ndim <= 1 or name.endswith(tokens) or any(p is e for e in embeddings):
+            not_decayed.append(p)
+        else:
+            decayed.append(p)
+    groups = [{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
+
+
+def compute_loss(outputs, targets):
+    """The training loss: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
+    auxiliary outputs added at 0.4 each (as GoogLeNet's and Inception's training, and torchvision's segmentation)."""
+    main, auxiliary = utils.split_outputs(outputs)
+    return F.cross_entropy(main, targets) + sum(0.4 * F.cross_entropy(aux, targets) for aux in auxiliary)
+
+
+def target_problem(target, names):
+    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
+    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
+        target = target.item()
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
+        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
+    return None
+
+
+class Metrics:
+    """Validation metrics from sums over every validation sample: update() adds a batch's, the script all-reduces
+    the tensors in .sums (so the metrics are exact at any number of processes), compute() gives {name: value}. Ours:
+    a confusion matrix, for the accuracy and each class's (a "confusion" metric is drawn in TensorBoard)."""
+
+    best = "acc"  # best.pt keeps the epoch where this metric was best
+    higher_is_better = True
+
+    def __init__(self, names, device):
+        self.names = names
+        self.sums = {"confusion": torch.zeros(len(names), len(names), dtype=torch.int64, device=device)}
+
+    def update(self, outputs, targets):
+        predicted = utils.split_outputs(outputs)[0].argmax(dim=1)
+        cells = targets.flatten() * len(self.names) + predicted.flatten()  # [true, predicted]
+        self.sums["confusion"].view(-1).index_add_(0, cells, torch.ones_like(cells))
+
+    def compute(self):
+        confusion = self.sums["confusion"].cpu()
+        counts = confusion.sum(dim=1).tolist()  # validation samples per class
+        per_class = {}
+        for i, (name, count) in enumerate(zip(self.names, counts)):
+            per_class[name] = confusion[i, i].item() / count if count else None  # None: no sample of it
+        return {"acc": confusion.trace().item() / max(1, sum(counts)), "per_class_acc": per_class,
+                "confusion": confusion.tolist()}
 
 
 def main(args):
@@ -38,7 +114,7 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
-    utils.check_datasets(train_set, val_set, classes)  # (image tensor, int label) items: else one line now
+    utils.check_datasets(train_set, val_set, classes, target_problem)  # else one line now, not in the loader
     pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
@@ -67,20 +143,19 @@ def main(args):
     else:
         print(f"DataParallel needs 2 or more GPUs: training unwrapped on {device}")
 
-    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch.
+    # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
     global_batch = args.batch_size
     lr = args.lr * global_batch / 256
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9,
-                                weight_decay=1e-4)
+    optimizer = build_optimizer(args, model, lr)
     schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
-    start_epoch, start_samples, best_acc, resumed = 0, 0, -1.0, ""
+    start_epoch, start_samples, best, resumed = 0, 0, None, ""
     if resume:
-        checkpoint = utils.load_checkpoint(resume, args.model, classes)
+        checkpoint = utils.load_checkpoint(resume, classes)
         model_without_dp.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            start_epoch, start_samples, best_acc = checkpoint["epoch"], checkpoint["samples"], checkpoint["best_acc"]
+            start_epoch, start_samples, best = checkpoint["epoch"], checkpoint["samples"], checkpoint["best"]
             resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
                        f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
     # The first step to run: the samples done are the same whatever the batch size and processes that did
@@ -88,38 +163,38 @@ def main(args):
     start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-    print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation images, "
-          f"{len(classes)} classes, loader workers per process: {args.workers}; output in {output_dir}\n"
+    print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
+          f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
           f"global batch {global_batch} split over {max(gpus, 1)} device(s); "
-          f"lr {args.lr} x {global_batch}/256 = {lr:g}{resumed}")
+          f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}")
 
     if args.test_only:
-        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
-        utils.report_test(output_dir, resume, classes, val_loss, val_acc, val_count, confusion)
+        metrics = evaluate(model, val_loader, device, classes)
+        utils.report_test(output_dir, resume, metrics)
         return
 
     def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
         utils.save_checkpoint({"model": model_without_dp.state_dict(), "optimizer": optimizer.state_dict(),
                                "epoch": epoch,
-                               "samples": samples, "global_batch": global_batch, "best_acc": best_acc,
+                               "samples": samples, "global_batch": global_batch, "best": best,
                                "args": vars(args), "classes": classes}, output_dir, is_best)
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
                        purge_step=start_epoch * steps_per_epoch + start_step + 1)
     log.add_training_images(train_loader.dataset, start_epoch)
     profiler = utils.Profiler(output_dir, args.profile)
-    val_acc = None
+    metrics = None
     for epoch in range(start_epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)
         train_loader.sampler.start(epoch, start_samples)
-        utils.train_mode(model, args.freeze)
+        utils.train_mode(model)
         log.start_epoch(epoch, start_step)
         samples = start_samples
-        for step, (images, labels) in enumerate(log.timed(train_loader), start=start_step):
+        for step, (inputs, targets) in enumerate(log.timed(train_loader), start=start_step):
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
-            images = utils.normalize(images.to(device, non_blocking=True))
-            labels = labels.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(images), labels)
+            inputs = utils.normalize(inputs.to(device, non_blocking=True))
+            targets = targets.to(device, non_blocking=True)
+            loss = compute_loss(model(inputs), targets)
             loss.backward()
             global_step = epoch * steps_per_epoch + step + 1
             for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
@@ -133,46 +208,46 @@ def main(args):
                 save(epoch, samples)
         start_step, start_samples = 0, 0
 
-        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
-        log.end_epoch(global_step, val_loss, val_acc, val_count, confusion)
-        is_best = val_acc > best_acc
-        best_acc = max(best_acc, val_acc)
+        metrics = evaluate(model, val_loader, device, classes)
+        log.end_epoch(global_step, metrics)
+        is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
+        if is_best:
+            best = metrics[Metrics.best]
         save(epoch + 1, 0, is_best)
     log.close()
     profiler.close()
 
-    if val_acc is None:  # the checkpoint had finished training already
-        val_loss, val_acc, val_count, confusion = evaluate(model, val_loader, device, len(classes))
-    results = {"best_acc": best_acc, "final_acc": val_acc, "val_loss": val_loss, "val_count": val_count,
-               "epochs": args.epochs, "global_batch": global_batch, "lr": lr,
-               "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               **utils.class_results(confusion, classes)}
+    if metrics is None:  # the checkpoint had finished training already
+        metrics = evaluate(model, val_loader, device, classes)
+    key = Metrics.best
+    results = {f"best_{key}": best, f"final_{key}": metrics[key], "epochs": args.epochs, "global_batch": global_batch,
+               "opt": args.opt, "lr": lr, "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
+               **utils.val_results(metrics)}
     utils.write_json(output_dir / "results.json", results)
-    print(f"done in {results['wall_s']:.0f}s: best val acc {100 * best_acc:.2f}%, final {100 * val_acc:.2f}%, "
+    print(f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
           f"{results['train_img_per_s']:.1f} img/s\n"
-          f"{utils.weakest_classes(results['per_class_acc'])} (per class in results.json)\n"
           f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
           f"view them with: tensorboard --logdir {output_dir.parent}")
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes):
-    """Loss, top-1 accuracy and confusion matrix over every validation image exactly once."""
+def evaluate(model, loader, device, names):
+    """The loss and the task's metrics over every validation sample exactly once."""
     model.eval()
+    metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)  # [true, predicted] counts
-    for images, labels in loader:
-        images = utils.normalize(images.to(device, non_blocking=True))
-        labels = labels.to(device, non_blocking=True)
-        logits = model(images)
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
-        confusion.view(-1).index_add_(0, labels * num_classes + logits.argmax(dim=1), torch.ones_like(labels))
-    confusion = confusion.cpu()
-    count = int(confusion.sum())  # every prediction; the right ones are the diagonal
-    return loss_sum.item() / count, confusion.trace().item() / count, count, confusion
-
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    for inputs, targets in loader:
+        inputs = utils.normalize(inputs.to(device, non_blocking=True))
+        targets = targets.to(device, non_blocking=True)
+        outputs = model(inputs)
+        loss_sum += compute_loss(outputs, targets).double() * len(targets)
+        count += len(targets)
+        metrics.update(outputs, targets)
+    return {"loss": loss_sum.item() / count.item(), "count": count.item(), **metrics.compute()}
 
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
+    add_task_arguments(parser)
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())

@@ -35,7 +35,6 @@ from torch.utils.data import Dataset
 if collecting:  # as it was: importing utils changes nothing in your program
     gc.enable()
 
-MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
 
@@ -58,39 +57,34 @@ class ArgumentParser(argparse.ArgumentParser):
 
 # ----------------------------------------------------------------------------------------------- arguments
 def get_args_parser(description):
+    """The flags every rung shares; the task's own come from the script's add_task_arguments()."""
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data-path", help="folder of class sub-folders, or of train/ and val/ class folders "
-                        "(default: the built-in demo data, generated into data/demo on first use)")
-    parser.add_argument("--model", default="resnet18", choices=MODELS)
-    parser.add_argument("--epochs", type=int, help="default: 12 on the demo data, 30 otherwise")
-    parser.add_argument("-b", "--batch-size", type=int, default=32, help="images per process and step")
-    parser.add_argument("--lr", type=float, default=0.1, help="learning rate for a global batch of 256; "
-                        "scaled linearly to the real global batch, with linear warm-up and cosine decay")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("-b", "--batch-size", type=int, default=32, help="samples per process and step")
+    parser.add_argument("--opt", default="sgd", choices=("sgd", "adamw"), help="the optimizer (build_optimizer())")
+    parser.add_argument("--lr", type=float, help="learning rate for a global batch of 256, scaled linearly to the "
+                        "real global batch, with linear warm-up and cosine decay (default: 0.1 for sgd, 5e-4 for "
+                        "adamw)")
+    parser.add_argument("--weight-decay", type=float, help="default: 1e-4 for sgd, 0.05 for adamw")
     parser.add_argument("-j", "--workers", type=int, help="data loading processes per training process (default: "
                         "with a GPU, the cores per process less one; on a CPU, 1)")
-    parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
     parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N optimizer steps")
     parser.add_argument("--test-only", action="store_true", help="only evaluate the checkpoint given by --resume")
-    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints, "
-                        "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once")
-    parser.add_argument("--freeze", action="store_true",
-                        help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
     parser.add_argument("--device", help="cpu, cuda, cuda:N, xpu, mps (default: the accelerator torch finds, else "
                         "the CPU)")
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps (after 3 warm-up "
                         "steps) with torch.profiler; writes trace.json (tools/profile_report.py reads it)")
-    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
-                        "validation when --data-path has no train/ and val/ folders")
     return parser
 
 
 def check_args(args):  # the shared arguments checked, and the defaults that depend on the data and the machine
     positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
-    for name in (*positive, "workers", "save_every", "profile", "seed", "clip_grad", "hsdp"):  # every rung's numbers
+    others = ("workers", "save_every", "profile", "seed", "clip_grad", "hsdp", "weight_decay")
+    for name in (*positive, *others):  # every rung's numbers, and the built-in task's
         value = getattr(args, name, None)  # None: a flag this rung does not have, or a default filled in below
         if value is not None and not (math.isfinite(value) and (value > 0 if name in positive else value >= 0)):
             raise UsageError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '0 or more'}, "
@@ -102,14 +96,14 @@ def check_args(args):  # the shared arguments checked, and the defaults that dep
         gpus = found is not None and not (args.device or found.type).startswith("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         args.workers = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1) if gpus else 1
-    if not 0 < args.val_fraction < 1:
-        raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     if args.test_only and not args.resume:
         raise UsageError("--test-only evaluates a checkpoint: give it with --resume PATH")
     if args.resume == "auto" and not args.output_dir:
         raise UsageError("--resume auto continues the run in --output-dir: give that folder too")
-    args.epochs = args.epochs or (12 if args.data_path is None else 30)
-    args.img_size = args.img_size or (64 if args.data_path is None else 224)
+    if args.lr is None:  # the usual starting points of torchvision's recipes, per 256 samples
+        args.lr = 0.1 if args.opt == "sgd" else 5e-4
+    if args.weight_decay is None:
+        args.weight_decay = 1e-4 if args.opt == "sgd" else 0.05
     return args
 
 
@@ -224,34 +218,54 @@ def normalize(images):
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
 
-def check_datasets(train_set, val_set, classes):
-    """build_datasets()'s result, checked before training: a wrong item would fail later, deep in the loader."""
-    if len(classes) < 2:
-        raise UsageError(f"build_datasets() returned {len(classes)} class names; a classifier needs at least 2")
+def check_datasets(train_set, val_set, names, target_problem):
+    """build_datasets()'s result, checked before training: a wrong item would fail later, deep in the loader, on
+    every rank. target_problem(target, names): the script's check of what its task needs, None where it is fine."""
+    if len(names) < 1:
+        raise UsageError("build_datasets() returned no names: give one per model output (class names for a "
+                         "classifier)")
     for name, dataset in (("training", train_set), ("validation", val_set)):
         if len(dataset) == 0:
-            raise UsageError(f"the {name} set is empty; add data, or check --data-path and --val-fraction")
-        if problem := item_problem(dataset[0], len(classes)):
-            raise UsageError(f"the {name} set's items must be (image tensor, int label) pairs; its first is {problem}")
+            raise UsageError(f"the {name} set is empty; add data, or check the data's path and split")
+        item = dataset[0]
+        problem = item_problem(item)
+        if problem is None:
+            problem = target_problem(item[1], names)
+            problem = problem and f"(input, {problem})"
+        if problem:
+            raise UsageError(f"the {name} set's items must be (input tensor, target) pairs; its first is {problem}")
 
 
-def item_problem(item, num_classes):  # what is wrong with a dataset's item, or None
+def item_problem(item):
+    """What is wrong with a dataset's item as the loop takes it (an input tensor and a target), or None."""
     if isinstance(item, dict):
-        return f"a dict with keys {', '.join(map(repr, item))}: return (item[image key], item[label key])"
+        return f"a dict with keys {', '.join(map(repr, item))}: return (item[input key], item[target key])"
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         return f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-    image, label = item
+    image = item[0]
     if not torch.is_tensor(image):
         kind = f"{type(image).__module__}.{type(image).__name__}"
-        return (f"({kind}, ...): convert the image in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) or "
-                f"torch.from_numpy()")
+        return (f"({kind}, ...): convert the input in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) "
+                f"or torch.from_numpy(array).float()")
+    if image.dtype == torch.float64:  # numpy's default: a model's float32 weights refuse it
+        return "(float64 input, ...): give float32, e.g. torch.from_numpy(array).float()"
     if image.dtype != torch.uint8 and not image.is_floating_point():
-        return f"({image.dtype} image, ...): give uint8 images (0-255, normalised here) or floating point ones"
-    if isinstance(label, (torch.Tensor, numpy.ndarray, numpy.integer)) and numpy.ndim(label) == 0:
-        label = label.item()
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
-        return f"(image, {label!r}): a label is an int from 0 to {num_classes - 1}, the index of its class name"
+        return f"({image.dtype} input, ...): give uint8 images (0-255, normalised here) or floating point ones"
+    if image.dtype == torch.uint8 and image.dim() == 3 and image.shape[-1] in (1, 3, 4) and image.shape[0] > 4:
+        return (f"(uint8 image of shape {tuple(image.shape)}, ...): channels last (H, W, C); give (C, H, W), e.g. "
+                f"torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)")
     return None
+
+
+def split_outputs(outputs):
+    """(main output, [auxiliary outputs]) of a model's forward: a tensor alone; a tuple or namedtuple, the main one
+    first (GoogLeNet's, Inception's); a dict, the main one under "out" (torchvision's segmentation models) or first."""
+    if isinstance(outputs, dict):
+        main = "out" if "out" in outputs else next(iter(outputs))
+        return outputs[main], [value for key, value in outputs.items() if key != main and value is not None]
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0], [value for value in outputs[1:] if value is not None]
+    return outputs, []
 
 
 class SeededItems(Dataset):
@@ -305,12 +319,13 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 # ------------------------------------------------------------------------------------------------ model
-def train_mode(model, freeze):
-    """model.train(); with --freeze, frozen BatchNorm layers stay in eval mode (their statistics are the backbone's)."""
+def train_mode(model):
+    """model.train(), but BatchNorm layers whose weights are all frozen (a frozen backbone) stay in eval mode: their
+    statistics stay the ones the weights were trained with."""
     model.train()
     for module in model.modules():
-        if freeze and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not any(
-                p.requires_grad for p in module.parameters()):
+        frozen = [not p.requires_grad for p in module.parameters()]
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and frozen and all(frozen):
             module.eval()
 
 
@@ -384,21 +399,21 @@ def first_line(error, width=160):  # an exception's first sentence, without a C+
     return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
 
 
-def load_checkpoint(path, model_name, classes):
+def load_checkpoint(path, names):
     checkpoint = load_file(path, "--resume")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
         raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
-    if "samples" not in checkpoint:
-        raise UsageError(f"--resume {path}: written by an older version of these scripts, without its position in "
-                         f"the data; continue it with that version, or start from its weights with --weights")
+    if "samples" not in checkpoint or "best" not in checkpoint:
+        raise UsageError(f"--resume {path}: written by an older version of these scripts; continue it with that "
+                         f"version, or start from its weights with --weights")
     saved = checkpoint["classes"]
-    if checkpoint["args"]["model"] != model_name or saved != classes:
-        missing, extra = (", ".join(map(str, sorted(set(a) - set(b)))) or "none" for a, b in ((saved, classes),
-                                                                                          (classes, saved)))
-        differ = (f"classes only in the checkpoint: {missing}; only here: {extra}" if set(saved) != set(classes) else
-                  "the same classes in another order" if saved != classes else "the same classes")
-        raise UsageError(f"--resume {path} holds a {checkpoint['args']['model']} for {len(saved)} classes, not a "
-                         f"{model_name} for these {len(classes)} ({differ}); pass the matching --model/--data-path")
+    if saved != names:
+        missing, extra = (", ".join(map(str, sorted(set(a) - set(b)))) or "none" for a, b in ((saved, names),
+                                                                                          (names, saved)))
+        differ = (f"names only in the checkpoint: {missing}; only here: {extra}" if set(saved) != set(names) else
+                  "the same names in another order")
+        raise UsageError(f"--resume {path} was trained for {len(saved)} outputs, not these {len(names)} ({differ}); "
+                         f"resume with the data it was trained on")
     return checkpoint
 
 
@@ -466,6 +481,10 @@ def failure_of_every_rank(error):
     if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
         return ("--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
                 "them could run code: refused; resume from a folder that these scripts wrote")
+    if "add(sparse, dense)" in text or "does not support sparse gradients" in text:  # nn.Embedding(sparse=True)
+        return (f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
+                f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
+                f"(docs/adapting.md)")
     if "Expected more than 1 value per channel when training" in text:  # BatchNorm over a batch of one value
         size = re.search(r"got input size [^\n]*", text)
         return (f"a BatchNorm layer saw one value per channel in training ({size[0] if size else text[:80]}): raise "
@@ -538,31 +557,33 @@ def shm_too_small(what, fewer):
 
 
 # --------------------------------------------------------------------------------------------- logging
-def class_results(confusion, classes):  # results.json's per-class figures (confusion: rows true, columns predicted)
-    counts = confusion.sum(dim=1).tolist()
-    per_class = {name: confusion[i, i].item() / counts[i] if counts[i] else None for i, name in enumerate(classes)}
-    return {"per_class_acc": per_class, "confusion": confusion.tolist()}
+def report_test(output_dir, checkpoint, metrics):  # --test-only: results.json and one line
+    write_json(output_dir / "results.json", {"checkpoint": str(checkpoint), **val_results(metrics)})
+    print(f"{metrics_line(metrics)}; results in {output_dir / 'results.json'}")
 
 
-def report_test(output_dir, checkpoint, classes, val_loss, val_acc, val_count, confusion):  # --test-only
-    results = {"val_acc": val_acc, "val_loss": val_loss, "val_count": val_count, "checkpoint": str(checkpoint),
-               **class_results(confusion, classes)}
-    write_json(output_dir / "results.json", results)
-    print(f"val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% ({val_count} images); "
-          f"{weakest_classes(results['per_class_acc'])}")
+def val_results(metrics):  # results.json's validation figures: val_loss, val_count, val_<each metric>
+    return {f"val_{name}": value for name, value in metrics.items()}
 
 
-def weakest_classes(per_class_acc, count=3):
-    ranked = sorted((acc, name) for name, acc in per_class_acc.items() if acc is not None)[:count]
-    return "weakest classes: " + ", ".join(f"{name} {100 * acc:.1f}%" for acc, name in ranked)
+def metrics_line(metrics):  # "val loss 0.5123  acc 0.8235 (17 samples)": the numbers among the metrics
+    numbers = [f"{name} {value:.4f}" for name, value in metrics.items() if isinstance(value, float)]
+    return f"val {'  '.join(numbers)} ({metrics['count']} samples)"
+
+
+def improved(value, best, higher_is_better):
+    """Whether a metric's value beats the best so far (None: none yet; a NaN is beaten by any value)."""
+    if best is None or best != best:
+        return True
+    return value > best if higher_is_better else value < best
 
 
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
-    def __init__(self, output_dir, classes, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0,
-                 enabled=True):  # classes: the names drawn on the confusion picture
-        self.enabled, self.epochs, self.steps_per_epoch, self.classes = enabled, epochs, steps_per_epoch, classes
+    def __init__(self, output_dir, names, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0,
+                 enabled=True):  # names: drawn on a confusion matrix's picture
+        self.enabled, self.epochs, self.steps_per_epoch, self.names = enabled, epochs, steps_per_epoch, names
         self.global_batch, self.print_freq, self.fix = global_batch, print_freq, "raise --workers or use faster storage"
         self.train_images, self.train_seconds, self.writer = 0, 0.0, None
         if enabled:
@@ -611,7 +632,8 @@ class Logger:
             self.writer.add_scalar(f"train/{name}", value, global_step)
         self.last_time, self.last_step = now, step + 1
 
-    def end_epoch(self, global_step, val_loss, val_acc, val_count, confusion):
+    def end_epoch(self, global_step, metrics):
+        """After each evaluation: one line, and TensorBoard's val/<name> for each number among the metrics."""
         seconds = self.step_end - self.epoch_start  # training only, not the evaluation
         self.train_seconds += seconds
         self.train_images += self.epoch_steps * self.global_batch
@@ -619,12 +641,15 @@ class Logger:
             # Time the loop waited for a batch: the GPU (or CPU) idled then, unless it still had queued work
             waiting = min(1.0, self.data_wait / max(seconds, 1e-9))
             hint = f": data loading is the bottleneck; {self.fix}" if waiting > 0.1 else ""
-            print(f"epoch {self.epoch + 1}/{self.epochs}  val loss {val_loss:.4f}  val acc {100 * val_acc:.2f}% "
-                  f"({val_count} images)  train time {seconds:.1f}s, {100 * waiting:.0f}% waiting for data{hint}",
-                  flush=True)
-            for name, value in (("train/data_wait", waiting), ("val/loss", val_loss), ("val/acc", val_acc)):
-                self.writer.add_scalar(name, value, global_step)
-            self.writer.add_image("val/confusion", confusion_image(confusion, self.classes), global_step)
+            print(f"epoch {self.epoch + 1}/{self.epochs}  {metrics_line(metrics)}  train time {seconds:.1f}s, "
+                  f"{100 * waiting:.0f}% waiting for data{hint}", flush=True)
+            self.writer.add_scalar("train/data_wait", waiting, global_step)
+            for name, value in metrics.items():
+                if isinstance(value, float):
+                    self.writer.add_scalar(f"val/{name}", value, global_step)
+            confusion = torch.tensor(metrics.get("confusion", []))
+            if confusion.shape == (len(self.names), len(self.names)):  # a classifier's [true, predicted] counts
+                self.writer.add_image("val/confusion", confusion_image(confusion, self.names), global_step)
             self.writer.flush()
 
     def img_per_s(self):
