@@ -358,10 +358,11 @@ def evaluate(model, loader, device, names, stop=None):
         inputs = utils.normalize(inputs.to(device, non_blocking=True))
         targets = targets.to(device, non_blocking=True)
         outputs = model(inputs)
-        if len(targets):
-            loss_sum += compute_loss(outputs, targets).double() * len(targets)
-            count += len(targets)
-            metrics.update(outputs, targets)
+        if batch is None:  # the empty forward pass: it only took part in the all-gathers
+            continue
+        loss_sum += compute_loss(outputs, targets).double() * len(targets)
+        count += len(targets)
+        metrics.update(outputs, targets)
     for total in (loss_sum, count, *metrics.sums.values()):  # sums of the ranks' sums
         dist.all_reduce(total)
     return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}

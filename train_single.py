@@ -238,7 +238,7 @@ def evaluate(model, loader, device, names):
         loss_sum += compute_loss(outputs, targets).double() * len(targets)
         count += len(targets)
         metrics.update(outputs, targets)
-    return {"loss": loss_sum.item() / count.item(), "count": count.item(), **metrics.compute()}
+    return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
 
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])

@@ -412,8 +412,8 @@ def load_checkpoint(path, names):
                                                                                           (names, saved)))
         differ = (f"names only in the checkpoint: {missing}; only here: {extra}" if set(saved) != set(names) else
                   "the same names in another order")
-        raise UsageError(f"--resume {path} was trained for {len(saved)} outputs, not these {len(names)} ({differ}); "
-                         f"resume with the data it was trained on")
+        raise UsageError(f"--resume {path} was trained for {len(saved)} classes (outputs), not these {len(names)} "
+                         f"({differ}); resume with the data it was trained on")
     return checkpoint
 
 

@@ -72,7 +72,7 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     # Only global rank 0 prints: one progress line per step (3 steps x 2 epochs), not one per rank
     assert runs[name].stdout.count("epoch 2/2  step 3/3") == 1
     assert results(out / name)["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
-    assert results(out / name)["confusion"] == results(out / "single")["confusion"]  # summed over the ranks
+    assert results(out / name)["val_confusion"] == results(out / "single")["val_confusion"]  # summed over the ranks
 
 
 def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache, initial_weights):
@@ -98,7 +98,7 @@ def test_evaluation_is_exact_for_any_world_size(evaluations):
         other = evaluations[name]
         assert other["val_count"] == 17 and other["val_acc"] == one["val_acc"], (name, other, one)
         assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), name
-        assert other["confusion"] == one["confusion"], name
+        assert other["val_confusion"] == one["val_confusion"], name
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_path):
@@ -281,13 +281,15 @@ def build_model(args, num_classes):
 
 
 def users_copy(folder, code):
-    """train_ddp_torchrun.py, utils.py and dist_utils.py in folder, the rung's two functions replaced by code."""
+    """train_ddp_torchrun.py, utils.py and dist_utils.py in folder (no builtin.py), the task block's flags, data and
+    model replaced by code (the default optimizer, loss, target check and metrics kept)."""
     folder.mkdir()
     for name in ("utils.py", "dist_utils.py"):
         shutil.copy(REPO / name, folder)
     text = (REPO / "train_ddp_torchrun.py").read_text()
-    start, end = text.index("def build_datasets(args):"), text.index("def main(args):")
-    (folder / "train_ddp_torchrun.py").write_text(text[:start] + code.lstrip() + "\n\n" + text[end:])
+    start, end = text.index("def add_task_arguments(parser):"), text.index("def build_optimizer(")
+    no_flags = "def add_task_arguments(parser):\n    pass\n\n\n"
+    (folder / "train_ddp_torchrun.py").write_text(text[:start] + no_flags + code.lstrip() + "\n\n" + text[end:])
     return folder
 
 

@@ -152,7 +152,7 @@ def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(tiny_data, tmp_path):
     (folder / "last-step1-1.dcp").mkdir(parents=True)
     (folder / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     torch.save({"model": {}, "optimizer": "last-step1-1.dcp", "args": {"model": "resnet18"}, "epoch": 0,
-                "classes": ["c0", "c1", "c2"], "samples": 16, "global_batch": 16, "best_acc": -1.0}, folder / "last.pt")
+                "classes": ["c0", "c1", "c2"], "samples": 16, "global_batch": 16, "best": None}, folder / "last.pt")
     proc = run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder, "--resume", "auto")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]

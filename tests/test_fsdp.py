@@ -53,7 +53,7 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
     single = runs["single"]
     assert_same_weights(load_model_state(out / "fsdp" / "last.pt"), load_model_state(single / "last.pt"), atol=TOL)
     assert results(out / "fsdp")["final_acc"] == pytest.approx(results(single)["final_acc"])
-    assert results(out / "fsdp")["confusion"] == results(single)["confusion"]
+    assert results(out / "fsdp")["val_confusion"] == results(single)["val_confusion"]
     # The layout: plain last.pt and best.pt, and one sharded folder, the one last.pt names; nothing half-written
     for name in ("last.pt", "best.pt"):
         torchvision.models.resnet18(num_classes=3).load_state_dict(load_model_state(out / "fsdp" / name))
@@ -135,7 +135,7 @@ def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_f
         evaluated = results(tmp_path / str(nproc))
         assert evaluated["val_count"] == 17 and evaluated["val_acc"] == logged["final_acc"], (nproc, evaluated)
         assert evaluated["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6), nproc
-        assert evaluated["confusion"] == logged["confusion"], nproc
+        assert evaluated["val_confusion"] == logged["val_confusion"], nproc
 
 
 def test_sigterm_saves_every_shard_and_resume_auto_ends_with_uninterrupted_weights(trained_bn, tiny_data, tmp_path):

@@ -2,6 +2,7 @@
 checks, a dataset's items, normalisation, checkpoint files, the sharded reader, the run folder's lock, the lines
 that known failures end with). The scripts reach each of these by the same call; the jobs of the other modules show
 that they do."""
+import argparse
 import os
 import pickle
 import re
@@ -17,7 +18,9 @@ import torchvision
 from PIL import Image
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+import builtin
 import dist_utils
+import train_single  # its task block: the default loss, optimizer and target check
 import utils
 
 
@@ -25,6 +28,7 @@ import utils
 def parse(*args):
     """Every rung's flags, as the scripts add them."""
     parser = utils.get_args_parser("test")
+    builtin.add_arguments(parser)
     for flag, kind in (("--accum-steps", int), ("--dist-timeout", int), ("--clip-grad", float), ("--hsdp", int)):
         parser.add_argument(flag, type=kind)
     return utils.check_args(parser.parse_args(list(args)))
@@ -55,7 +59,11 @@ def test_every_numeric_flag_is_checked_by_name(args, words):
 
 def test_sensible_numbers_pass():
     args = parse("--lr", "0.01", "--clip-grad", "0", "--seed", "7", "--hsdp", "0", "--workers", "0")
-    assert (args.lr, args.clip_grad, args.seed, args.epochs, args.img_size) == (0.01, 0.0, 7, 12, 64)
+    assert (args.lr, args.clip_grad, args.seed, args.epochs, args.img_size) == (0.01, 0.0, 7, 12, None)
+    assert (parse().lr, parse().weight_decay) == (0.1, 1e-4)  # SGD's, as torchvision's classification recipe
+    assert (parse("--opt", "adamw").lr, parse("--opt", "adamw").weight_decay) == (5e-4, 0.05)
+    bare = utils.get_args_parser("a copy whose task has flags of its own")
+    assert utils.check_args(bare.parse_args([])).epochs == 30  # the built-in task's 12 leave with builtin.py
 
 
 # ------------------------------------------------------------------------------------ the device and backend
@@ -111,36 +119,87 @@ GOOD = (torch.zeros(1, 28, 28, dtype=torch.uint8), 2)
 
 
 @pytest.mark.parametrize("item,words", [
-    ({"image": GOOD[0], "label": 1}, "its first is a dict with keys 'image', 'label': return (item[image key]"),
-    ((Image.new("L", (28, 28)), 1), "its first is (PIL.Image.Image, ...): convert the image in the dataset"),
+    ({"image": GOOD[0], "label": 1}, "its first is a dict with keys 'image', 'label': return (item[input key]"),
+    ((Image.new("L", (28, 28)), 1), "its first is (PIL.Image.Image, ...): convert the input in the dataset"),
     ((numpy.zeros((1, 28, 28), dtype=numpy.uint8), 1), "(numpy.ndarray, ...)"),
-    ((GOOD[0].short(), 1), "(torch.int16 image, ...): give uint8 images"),
-    ((GOOD[0], 3), "(image, 3): a label is an int from 0 to 2"),
-    ((GOOD[0], -1), "(image, -1)"),
-    ((GOOD[0], 1.0), "(image, 1.0)"),
-    ((GOOD[0], torch.tensor([1, 0])), "(image, tensor([1, 0]))"),
+    ((GOOD[0].short(), 1), "(torch.int16 input, ...): give uint8 images"),
+    ((torch.from_numpy(numpy.zeros((1, 28, 28))), 1), "(float64 input, ...): give float32, e.g. torch.from_numpy("),
+    ((torch.zeros(28, 28, 3, dtype=torch.uint8), 1), "(uint8 image of shape (28, 28, 3), ...): channels last (H, W, "
+                                                      "C); give (C, H, W)"),
+    ((GOOD[0], 3), "(input, 3: a label is an int from 0 to 2"),
+    ((GOOD[0], -1), "(input, -1: "),
+    ((GOOD[0], 1.0), "(input, 1.0: "),
+    ((GOOD[0], torch.tensor([1, 0])), "(input, tensor([1, 0]): "),
     ((GOOD[0],), "its first is a tuple of 1"),
     (GOOD[0], "its first is a Tensor"),
 ])
 def test_a_wrong_item_is_named_with_the_contract(item, words):
+    """utils.check_datasets with the rungs' default target_problem (a classifier's int label)."""
     with pytest.raises(utils.UsageError) as refused:
-        utils.check_datasets(Items(item), Items(GOOD), ["a", "b", "c"])
+        utils.check_datasets(Items(item), Items(GOOD), ["a", "b", "c"], train_single.target_problem)
     message = str(refused.value)
-    assert message.startswith("the training set's items must be (image tensor, int label) pairs; ") and words in \
+    assert message.startswith("the training set's items must be (input tensor, target) pairs; ") and words in \
         message, message
     assert "\n" not in message
 
 
 @pytest.mark.parametrize("label", [2, torch.tensor(2), numpy.int64(2), torch.tensor(2, dtype=torch.uint8)])
 def test_labels_as_ints_tensors_and_numpy_scalars_pass(label):
-    utils.check_datasets(Items((GOOD[0], label)), Items((torch.zeros(3, 8, 8), 0)), ["a", "b", "c"])
+    utils.check_datasets(Items((GOOD[0], label)), Items((torch.zeros(3, 8, 8), 0)), ["a", "b", "c"],
+                         train_single.target_problem)
 
 
-def test_an_empty_validation_set_and_one_class_are_refused():
+def test_a_task_checks_its_own_targets():
+    """Another task's target_problem decides what a target must be: a multi-label vector passes its check and fails
+    the classifier's; (3, 8, 8) uint8 images, channels first, pass."""
+    def multi_label(target, names):
+        return None if torch.is_tensor(target) and target.shape == (len(names),) else f"{target!r}: one 0/1 per label"
+
+    vector = Items((torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([1.0, 0.0, 1.0])))
+    utils.check_datasets(vector, vector, ["a", "b", "c"], multi_label)
+    with pytest.raises(utils.UsageError, match="a label is an int from 0 to 2"):
+        utils.check_datasets(vector, vector, ["a", "b", "c"], train_single.target_problem)
+
+
+def test_an_empty_validation_set_and_no_names_are_refused():
     with pytest.raises(utils.UsageError, match="the validation set is empty"):
-        utils.check_datasets(Items(GOOD), [], ["a", "b", "c"])
-    with pytest.raises(utils.UsageError, match="1 class names; a classifier needs at least 2"):
-        utils.check_datasets(Items(GOOD), Items(GOOD), ["a"])
+        utils.check_datasets(Items(GOOD), [], ["a", "b", "c"], train_single.target_problem)
+    with pytest.raises(utils.UsageError, match="build_datasets\\(\\) returned no names: give one per model output"):
+        utils.check_datasets(Items(GOOD), Items(GOOD), [], train_single.target_problem)
+
+
+def test_auxiliary_outputs_are_split_from_the_main_one():
+    """Tuples and namedtuples (GoogLeNet's and Inception's, whose aux may be None) and dicts (torchvision's
+    segmentation models: "out" and "aux"; else the first entry is the main one)."""
+    from torchvision.models import InceptionOutputs
+    main, aux = torch.ones(2, 3), torch.zeros(2, 3)
+    for outputs, expected in ((main, []), ((main, aux), [aux]), (InceptionOutputs(main, None), []),
+                              (InceptionOutputs(main, aux), [aux]), ({"aux": aux, "out": main}, [aux]),
+                              ({"logits": main}, [])):
+        found, auxiliary = utils.split_outputs(outputs)
+        assert found is main and len(auxiliary) == len(expected) and all(a is b for a, b in zip(auxiliary, expected))
+
+
+def test_the_default_loss_adds_auxiliary_outputs_and_adamw_skips_norms_and_biases():
+    logits, aux = torch.randn(4, 3), torch.randn(4, 3)
+    targets = torch.tensor([0, 1, 2, 1])
+    plain = torch.nn.functional.cross_entropy(logits, targets)
+    assert train_single.compute_loss(logits, targets) == plain
+    assert torch.allclose(train_single.compute_loss({"out": logits, "aux": aux}, targets),
+                          plain + 0.4 * torch.nn.functional.cross_entropy(aux, targets))
+    model = torchvision.models.VisionTransformer(image_size=16, patch_size=4, num_layers=1, num_heads=2,
+                                                 hidden_dim=8, mlp_dim=16, num_classes=3)
+    args = argparse.Namespace(opt="adamw", weight_decay=0.05)
+    optimizer = train_single.build_optimizer(args, model, 1e-3)
+    decayed, not_decayed = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0 and optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert {names[i] for i in not_decayed} >= {"class_token", "encoder.pos_embedding", "heads.head.bias",
+                                              "encoder.ln.weight"}
+    assert {names[i] for i in decayed} == {name for name, p in model.named_parameters() if p.ndim > 1} - {
+        "class_token", "encoder.pos_embedding"}
+    sgd = train_single.build_optimizer(argparse.Namespace(opt="sgd", weight_decay=1e-4), model, 0.1)
+    assert len(sgd.param_groups) == 1 and sgd.param_groups[0]["weight_decay"] == 1e-4  # as before: every parameter
 
 
 # ------------------------------------------------------------------------------------------ normalisation
@@ -176,9 +235,9 @@ def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
 def checkpoint_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoint")
     torch.manual_seed(0)
-    utils.save_checkpoint({"model": torchvision.models.resnet18(num_classes=3).state_dict(), "optimizer": {},
-                           "args": {"model": "resnet18"}, "classes": ["a", "b", "c"], "samples": 0, "epoch": 1},
-                          folder, is_best=True)
+    state = {"model": torchvision.models.resnet18(num_classes=3).state_dict(), "optimizer": {},
+             "args": {"model": "resnet18"}, "classes": ["a", "b", "c"], "samples": 0, "epoch": 1, "best": None}
+    utils.save_checkpoint(state, folder, is_best=True)
     return folder / "last.pt"
 
 
@@ -189,7 +248,7 @@ def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(ch
     data = checkpoint_file.read_bytes()
     (run / "last.pt").write_bytes(data[:len(data) // 3])
     with pytest.raises(utils.UsageError) as refused:
-        utils.load_checkpoint(run / "last.pt", "resnet18", ["a", "b", "c"])
+        utils.load_checkpoint(run / "last.pt", ["a", "b", "c"])
     message = str(refused.value)
     assert "not a readable checkpoint, perhaps cut short (" in message, message
     best = run / "best.pt"
@@ -198,7 +257,7 @@ def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(ch
     assert "(PytorchStreamReader failed reading zip archive: failed finding central directory); " in message  # whole
     (run / "best.pt").write_bytes(data[:100])  # no intact best.pt: nothing promised
     with pytest.raises(utils.UsageError) as refused:
-        utils.load_checkpoint(run / "last.pt", "resnet18", ["a", "b", "c"])
+        utils.load_checkpoint(run / "last.pt", ["a", "b", "c"])
     assert "intact" not in str(refused.value)
 
 
@@ -214,16 +273,16 @@ def test_a_pickled_checkpoint_is_refused_as_unsafe_and_runs_nothing(tmp_path):
     marker = tmp_path / "code-ran"
     torch.save({"model": {}, "optimizer": RunsCode(marker)}, tmp_path / "last.pt")
     with pytest.raises(utils.UsageError) as refused:
-        utils.load_checkpoint(tmp_path / "last.pt", "resnet18", ["a"])
+        utils.load_checkpoint(tmp_path / "last.pt", ["a"])
     assert "refused as unsafe" in str(refused.value) and not marker.exists(), str(refused.value)
 
 
 def test_a_resume_into_other_classes_names_them(checkpoint_file):
     with pytest.raises(utils.UsageError) as refused:
-        utils.load_checkpoint(checkpoint_file, "resnet18", ["a", "b", "d", "e"])
-    assert "(classes only in the checkpoint: c; only here: d, e)" in str(refused.value), str(refused.value)
-    with pytest.raises(utils.UsageError, match="the same classes in another order"):
-        utils.load_checkpoint(checkpoint_file, "resnet18", ["c", "b", "a"])
+        utils.load_checkpoint(checkpoint_file, ["a", "b", "d", "e"])
+    assert "(names only in the checkpoint: c; only here: d, e)" in str(refused.value), str(refused.value)
+    with pytest.raises(utils.UsageError, match="the same names in another order"):
+        utils.load_checkpoint(checkpoint_file, ["c", "b", "a"])
 
 
 def test_a_full_disk_says_no_space_left(tmp_path):

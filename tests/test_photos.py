@@ -229,7 +229,7 @@ def epoch_line(tmp_path, dataset, capsys):
     for step, _ in enumerate(log.timed(slow_loader())):
         time.sleep(0.05)
         log.step(step, step + 1, torch.tensor(1.0), 0.1)
-    log.end_epoch(2, 1.0, 0.5, 4, torch.tensor([[2, 0], [1, 1]]))
+    log.end_epoch(2, {"loss": 1.0, "count": 4, "acc": 0.5, "confusion": [[2, 0], [1, 1]]})
     log.close()
     return capsys.readouterr().out
 
@@ -278,14 +278,25 @@ def test_confusion_picture_for_many_classes_lists_the_weakest():
     assert lines >= 22, f"{lines} lines of text beside the heatmap: not a title, 20 weakest classes and a caption"
 
 
-def test_confusion_picture_reaches_tensorboard(tmp_path):
+def test_confusion_picture_reaches_tensorboard_where_the_metrics_have_one(tmp_path):
+    """A classifier's metrics (a "confusion" of names x names counts) are drawn; a regression's (numbers only) and a
+    multi-label task's (no square matrix) are not, and every number among the metrics is a val/ scalar."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     confusion = torch.tensor([[3, 1], [0, 4]])
-    log = utils.Logger(tmp_path, ["cat", "dog"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
-    log.start_epoch(0)
-    log.end_epoch(1, 0.5, 0.875, 8, confusion)
-    log.close()
-    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    tasks = {"classifier": {"loss": 0.5, "count": 8, "acc": 0.875, "confusion": confusion.tolist()},
+             "regression": {"loss": 0.5, "count": 8, "mse": 0.25},
+             "multilabel": {"loss": 0.5, "count": 8, "f1": 0.75, "confusion": [[1, 2, 3]]}}
+    for task, metrics in tasks.items():
+        log = utils.Logger(tmp_path / task, ["cat", "dog"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
+        log.start_epoch(0)
+        log.end_epoch(1, metrics)
+        log.close()
+        events = EventAccumulator(str(tmp_path / task), size_guidance={"images": 0})
+        events.Reload()
+        numbers = sorted(name for name, value in metrics.items() if isinstance(value, float))
+        assert sorted(events.Tags()["scalars"]) == sorted(["train/data_wait"] + [f"val/{n}" for n in numbers]), task
+        assert events.Tags()["images"] == (["val/confusion"] if task == "classifier" else []), task
+    events = EventAccumulator(str(tmp_path / "classifier"), size_guidance={"images": 0})
     events.Reload()
     [logged] = events.Images("val/confusion")
     picture = TF.pil_to_tensor(Image.open(io.BytesIO(logged.encoded_image_string)).convert("RGB"))

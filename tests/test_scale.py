@@ -30,7 +30,8 @@ def test_logged_accuracy_is_that_of_the_saved_checkpoint(default_ddp, default_am
     assert evaluated["val_count"] == results["val_count"] == 17
     assert evaluated["val_acc"] == results["final_acc"]
     assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
-    assert evaluated["confusion"] == results["confusion"] and evaluated["per_class_acc"] == results["per_class_acc"]
+    assert evaluated["val_confusion"] == results["val_confusion"]
+    assert evaluated["val_per_class_acc"] == results["val_per_class_acc"]
 
 
 def epoch_order(n, seed, epoch):
@@ -93,7 +94,7 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     checkpoint = torch.load(checkpoint_path, weights_only=True)
     model = builtin.resnet("resnet18", len(classes), freeze=True)
     model.load_state_dict(checkpoint["model"])
-    utils.train_mode(model, freeze=True)
+    utils.train_mode(model)  # the frozen backbone's BatchNorm in eval mode
     peak = lr * global_batch / 256
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=peak, momentum=0.9,
                                 weight_decay=1e-4)
