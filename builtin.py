@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import urllib.parse
+import warnings
 from pathlib import Path
 
 import numpy
@@ -177,17 +178,28 @@ def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 /
 
 
 def decode_image(path, scale=None):
-    """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted). scale(height, width) -> 1,
-    2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT domain (PIL's draft), far cheaper."""
+    """Any image file as a 3-channel uint8 tensor (grey, palette, RGBA, CMYK: converted; an animation: its first
+    frame). scale(height, width) -> 1, 2, 4 or 8, given a JPEG's size from its header: decode at 1/scale in the DCT
+    domain (PIL's draft), far cheaper. An image of more pixels than PIL.Image.MAX_IMAGE_PIXELS is refused from its
+    header, before anything is decoded (a decompression bomb: a small PNG can hold gigabytes of pixels)."""
     factor = 1
     try:
         with open(path, "rb") as file:
             data = bytearray(file.read())  # writable: a tensor shares it (torch.frombuffer)
-        size = jpeg_size(data)
-        if scale and size and min(size):
-            factor = scale(*size)
+        jpeg = jpeg_size(data)  # (height, width), or None: another format
+        size = jpeg or header_size(path)
+        if size and Image.MAX_IMAGE_PIXELS and size[0] * size[1] > Image.MAX_IMAGE_PIXELS:
+            raise Image.DecompressionBombError(f"{size[1]} x {size[0]} pixels")
+        if scale and jpeg and min(jpeg):
+            factor = scale(*jpeg)
         if codec_decode and factor == 1:  # (a JPEG straight to its decoder: no format detection, 10 % of an item)
-            return (codec_jpeg if size else codec_decode)(torch.frombuffer(data, dtype=torch.uint8), mode="RGB")
+            decode = codec_jpeg if jpeg else codec_decode
+            image = decode(torch.frombuffer(data, dtype=torch.uint8), mode="RGB")
+            return image[0] if image.dim() == 4 else image  # an animated GIF's frames: the first, as PIL gives
+    except Image.DecompressionBombError as error:
+        raise BadImageError(f"image {path} has {error}, over PIL.Image.MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS}): "
+                            f"refused undecoded, as a possible decompression bomb; for a dataset of such images, raise "
+                            f"that limit in build_datasets(), or make smaller copies with bash run.sh shrink") from None
     except Exception:  # a format TorchCodec does not decode (BMP, TIFF, ...): let PIL try before giving up
         pass
     try:
@@ -197,6 +209,20 @@ def decode_image(path, scale=None):
             return TF.pil_to_tensor(image if image.mode == "RGB" else image.convert("RGB"))  # (a copy otherwise)
     except Exception as error:
         raise BadImageError(f"cannot decode image {path} ({error}); remove or replace the file") from None
+
+
+def header_size(path):
+    """(height, width) of an image that PIL knows, read from its header (nothing decoded), else None. Over twice
+    PIL.Image.MAX_IMAGE_PIXELS, PIL itself refuses it here (DecompressionBombError)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # (our check says it, in one line)
+            with Image.open(path) as image:
+                return image.height, image.width
+    except Image.DecompressionBombError as error:  # "Image size (N pixels) exceeds limit of ...": its size
+        raise Image.DecompressionBombError(re.search(r"\d+ pixels", str(error))[0]) from None
+    except Exception:
+        return None
 
 
 def jpeg_size(data):

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
 import time
 import traceback
 import weakref
@@ -188,6 +189,8 @@ def claim_output_dir(output_dir):
                 error = (f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): "
                          f"let it end (or stop it) before you resume it, or choose another --output-dir")
         else:
+            for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote
+                stale.unlink(missing_ok=True)
             lock.truncate(0)
             lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             lock.flush()
@@ -338,20 +341,26 @@ def warmup_cosine(total_steps):
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(state, output_dir, is_best=False):
-    """last.pt (and best.pt) written atomically, with CPU tensors: a kill at any moment leaves the previous file."""
+    """last.pt (and best.pt) written atomically, with CPU tensors: a kill at any moment leaves the previous file.
+    best.pt is written first: if that fails, last.pt still holds the state before this one, so the resumed run comes
+    to this evaluation again and writes best.pt then."""
     broken = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if broken:  # never replace a good checkpoint with a diverged one
         raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
                          f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}")
     state = torch.utils._pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.cpu(), state)
-    atomic_write(output_dir / "last.pt", lambda f: torch.save(state, f))
+    first = output_dir / ("best.pt" if is_best else "last.pt")
+    atomic_write(first, lambda f: torch.save(state, f))
     if is_best:  # a copy in chunks, not the whole file in memory
-        with open(output_dir / "last.pt", "rb") as last:
-            atomic_write(output_dir / "best.pt", lambda f: shutil.copyfileobj(last, f))
+        with open(first, "rb") as best:
+            atomic_write(output_dir / "last.pt", lambda f: shutil.copyfileobj(best, f))
 
 
 def atomic_write(path, write):
+    """write(file) into a temporary file beside path, then renamed over it (claim_output_dir removes the temporary
+    files of a job killed while writing)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    kept = f"the previous {path.name} is intact" if path.exists() else "nothing half-written is left"
     try:
         with open(temporary, "wb") as f:
             write(f)
@@ -362,7 +371,7 @@ def atomic_write(path, write):
         cause = error if isinstance(error, OSError) else error.__context__
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else first_line(error)
         raise UsageError(f"cannot write {path} ({reason}); free space or fix the folder's permissions, then continue "
-                         f"with --resume auto (the previous file is intact)") from None
+                         f"with --resume auto ({kept})") from None
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink()
@@ -481,6 +490,11 @@ def failure_of_every_rank(error):
     if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
         return ("--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
                 "them could run code: refused; resume from a folder that these scripts wrote")
+    if "doesn't match the size of optimizer's group" in text or "different number of parameter groups" in text or \
+            "Missing key in checkpoint state_dict: optimizer." in text:  # (DDP's and FSDP's words)
+        return ("--resume: the checkpoint's optimizer state is for other trained parameters (a run with another "
+                "--freeze, or another build_optimizer()): resume with the same ones, or start from its weights with "
+                "--weights (the built-in model) and --output-dir a new folder")
     if "add(sparse, dense)" in text or "does not support sparse gradients" in text:  # nn.Embedding(sparse=True)
         return (f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
                 f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
@@ -586,18 +600,33 @@ class Logger:
         self.enabled, self.epochs, self.steps_per_epoch, self.names = enabled, epochs, steps_per_epoch, names
         self.global_batch, self.print_freq, self.fix = global_batch, print_freq, "raise --workers or use faster storage"
         self.train_images, self.train_seconds, self.writer = 0, 0.0, None
+        self.output_dir = output_dir
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
-            self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
+            with self.writing():
+                self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
+            threading.excepthook = quiet_tensorboard_thread
+
+    @contextlib.contextmanager
+    def writing(self):
+        """TensorBoard's writes: a full disk or a read-only folder ends the run in one line, as a checkpoint's does.
+        (The writer's thread meets the error first; the next call here raises it again.)"""
+        try:
+            yield
+        except OSError as error:
+            raise UsageError(f"cannot write TensorBoard logs into {self.output_dir} ({error.strerror or error}); free "
+                             f"space or fix the folder's permissions, then continue with --resume auto (the "
+                             f"checkpoints are intact)") from None
 
     def add_training_images(self, items, epoch, count=32):
         """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each)."""
         picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist() if self.enabled else []
         images = [items[(epoch, i)][0] for i in picks]  # of every class
         if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
-            self.writer.add_image("train/augmented_images", torchvision.utils.make_grid(
-                torch.stack(images), nrow=8, normalize=images[0].is_floating_point(), scale_each=True), epoch)
+            with self.writing():
+                self.writer.add_image("train/augmented_images", torchvision.utils.make_grid(
+                    torch.stack(images), nrow=8, normalize=images[0].is_floating_point(), scale_each=True), epoch)
         if self.enabled and hasattr(items.dataset, "large_photo_hint"):  # (builtin.ImageFiles)
             self.fix = items.dataset.large_photo_hint() or self.fix
 
@@ -628,8 +657,9 @@ class Logger:
         eta = (now - self.epoch_start) / self.epoch_steps * (self.steps_per_epoch - step - 1)
         print(f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
               f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s", flush=True)
-        for name, value in (("loss", loss), ("lr", lr), ("img_per_s", img_per_s)):
-            self.writer.add_scalar(f"train/{name}", value, global_step)
+        with self.writing():
+            for name, value in (("loss", loss), ("lr", lr), ("img_per_s", img_per_s)):
+                self.writer.add_scalar(f"train/{name}", value, global_step)
         self.last_time, self.last_step = now, step + 1
 
     def end_epoch(self, global_step, metrics):
@@ -643,21 +673,30 @@ class Logger:
             hint = f": data loading is the bottleneck; {self.fix}" if waiting > 0.1 else ""
             print(f"epoch {self.epoch + 1}/{self.epochs}  {metrics_line(metrics)}  train time {seconds:.1f}s, "
                   f"{100 * waiting:.0f}% waiting for data{hint}", flush=True)
-            self.writer.add_scalar("train/data_wait", waiting, global_step)
-            for name, value in metrics.items():
-                if isinstance(value, float):
-                    self.writer.add_scalar(f"val/{name}", value, global_step)
             confusion = torch.tensor(metrics.get("confusion", []))
-            if confusion.shape == (len(self.names), len(self.names)):  # a classifier's [true, predicted] counts
-                self.writer.add_image("val/confusion", confusion_image(confusion, self.names), global_step)
-            self.writer.flush()
+            with self.writing():
+                self.writer.add_scalar("train/data_wait", waiting, global_step)
+                for name, value in metrics.items():
+                    if isinstance(value, float):
+                        self.writer.add_scalar(f"val/{name}", value, global_step)
+                if confusion.shape == (len(self.names), len(self.names)):  # a classifier's [true, predicted] counts
+                    self.writer.add_image("val/confusion", confusion_image(confusion, self.names), global_step)
+                self.writer.flush()
 
     def img_per_s(self):
         return self.train_images / self.train_seconds if self.train_seconds else 0.0
 
     def close(self):
         if self.writer:
-            self.writer.close()
+            with self.writing():
+                self.writer.close()
+
+
+def quiet_tensorboard_thread(hook):
+    """threading.excepthook: TensorBoard's writer thread re-raises its I/O error, and Logger.writing() says it in one
+    line from the main thread: the thread's own traceback would only repeat it. Any other thread's as usual."""
+    if not (isinstance(hook.exc_value, OSError) and type(hook.thread).__module__.startswith("tensorboard")):
+        threading.__excepthook__(hook)
 
 
 def confusion_image(confusion, classes):

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import (DEFAULTS, FAST, REPO, assert_job_gone, finish, free_port, job_env, ranks, read_until,
+from conftest import (DEFAULTS, EXACT, FAST, REPO, assert_job_gone, finish, free_port, job_env, ranks, read_until,
                       run_sh, start, start_sh, torchrun)
 
 
@@ -196,3 +196,134 @@ def check_full_disk(proc, small_disk, started):
     checkpoint = torch.load(small_disk / "run" / "last.pt", weights_only=True)  # the first one, and its shards
     assert (checkpoint["epoch"], checkpoint["samples"]) == (0, 16)
     assert (small_disk / "run" / checkpoint["optimizer"] / ".metadata").is_file()
+
+
+def fill(folder):
+    """Another writer takes every free byte of folder's disk: (the filler file)."""
+    filler = folder / "filler"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    return filler
+
+
+def one_error_line(output):
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    return errors[0]
+
+
+def test_a_disk_filled_by_another_writer_mid_run_is_one_line_and_resumes(tiny_data, tmp_path):
+    """bash run.sh ddp 2 on a 200 MiB disk, --save-every 1: once step 2's checkpoint is written, another writer
+    fills the disk. Whatever writes next (TensorBoard's writer, whose thread meets the error first, or a checkpoint)
+    ends the job in one line; last.pt stays loadable; with room again, --resume auto finishes the run."""
+    with tmpfs(tmp_path / "disk", "200m") as disk:
+        run = disk / "run"
+        args = [*DEFAULTS, "--freeze", "--data-path", tiny_data, "--save-every", "1", "--output-dir", run]
+        job, lines = start_sh("ddp", 2, *args, timeout=150), []
+        seen = read_until(job, lines, "epoch 1/2  step 3/3")
+        if seen:
+            filler = fill(disk)
+        output = finish(job, lines, timeout=120)
+        assert seen and job.returncode == 1, output[-3000:]
+        line = one_error_line(output)
+        assert line.startswith("error: cannot write ") and "(No space left on device)" in line, line
+        torch.load(run / "last.pt", weights_only=True)  # the last one written, whole
+        filler.unlink()
+        resumed = run_sh("ddp", 2, *args, "--resume", "auto")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert json.loads((run / "results.json").read_text())["epochs"] == 2
+        assert sorted(p.name for p in run.glob(".*.tmp")) == []
+
+
+def test_a_run_folder_turned_read_only_mid_run_is_one_line_and_resumes(tiny_data, tmp_path):
+    """One process (train_single.py, defaults): its run folder turns read-only in epoch 2 (a read-only bind mount
+    over it). The next write is TensorBoard's, at the epoch's end (its thread meets the error first): one line,
+    last.pt (epoch 1's) loadable, and --resume auto finishes once the folder is writable again."""
+    run = tmp_path / "run"
+    args = [sys.executable, "train_single.py", *DEFAULTS, "--freeze", "--data-path", tiny_data, "--output-dir", run]
+    job, lines = start(args, timeout=150), []
+    seen = read_until(job, lines, "epoch 2/2  step 2/6")
+    mounted = seen and not subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True).returncode
+    try:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(run)], check=True)
+        output = finish(job, lines, timeout=120)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(run)], capture_output=True)
+    if seen and not mounted:
+        pytest.skip("cannot bind-mount here (needs root)")
+    assert seen and job.returncode == 1, output[-3000:]
+    line = one_error_line(output)
+    assert line.startswith(f"error: cannot write TensorBoard logs into {run} (Read-only file system)"), line
+    assert torch.load(run / "last.pt", weights_only=True)["epoch"] == 1
+    resumed = subprocess.run(args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                             timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and (run / "results.json").is_file()
+
+
+def test_a_failed_first_best_pt_is_written_by_the_resumed_run(tiny_data, tmp_path):
+    """70 MiB: room for one checkpoint of the frozen resnet18 (~45 MiB), not two. --save-every 3 leaves last.pt
+    after step 3 of 6; the epoch's end then writes best.pt first, which does not fit: one line that claims no
+    earlier best.pt, and last.pt is the mid-epoch one. A killed save's temporary file (planted as SIGKILL leaves it) is gone once the
+    next job starts, and the resumed run, with room again, writes best.pt: the final weights of a 1-epoch run. The
+    training set holds an animated GIF (trained on as its first frame)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    from PIL import Image
+    frames = [Image.new("RGB", (40, 40), (40 * i, 90, 200)) for i in range(3)]
+    frames[0].save(data / "c0" / "animated.gif", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    with tmpfs(tmp_path / "disk", "70m") as disk:
+        run = disk / "run"
+        args = [sys.executable, "train_single.py", *FAST, "--freeze", "--epochs", "1", "--data-path", data,
+                "--val-fraction", "0.25", "--save-every", "3", "--output-dir", run]
+        first = subprocess.run(args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=150)
+        assert first.returncode == 1, first.stderr[-3000:]
+        line = one_error_line(first.stderr)
+        assert line.startswith(f"error: cannot write {run / 'best.pt'} (No space left on device)") and \
+            line.endswith("continue with --resume auto (nothing half-written is left)"), line
+        assert not (run / "best.pt").exists() and torch.load(run / "last.pt", weights_only=True)["samples"] > 0
+        stale = run / f".last.pt.{2**22 + 1}.tmp"
+        stale.write_bytes(b"\0" * 1000)
+        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        resumed = subprocess.run(args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True,
+                                 text=True, timeout=150)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert not stale.exists() and sorted(p.name for p in run.glob(".*.tmp")) == []
+        best, last = (torch.load(run / name, weights_only=True) for name in ("best.pt", "last.pt"))
+        assert best["epoch"] == 1 and best["best"] == json.loads((run / "results.json").read_text())["best_acc"]
+        assert all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])
+
+
+def test_an_image_bomb_in_a_folder_is_one_line_naming_it_undecoded(tiny_data, tmp_path):
+    """A 15000 x 15000 PNG of one colour (0.2 MB on disk, 675 MB decoded) among the training images: refused from
+    its header, before any pixel is decoded, in one line naming the file and the limit to raise."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    from PIL import Image
+    Image.new("RGB", (15000, 15000), (10, 200, 30)).save(data / "c1" / "bomb.png")
+    proc = subprocess.run([sys.executable, "train_single.py", *FAST, "--data-path", data, "--val-fraction", "0.25",
+                           "--output-dir", tmp_path / "run"], cwd=REPO, env=job_env(), capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"error: image {data / 'c1' / 'bomb.png'} has 225000000 pixels, over "
+                           f"PIL.Image.MAX_IMAGE_PIXELS ("), line
+    assert "raise that limit in build_datasets()" in line, line
+
+
+def test_a_resume_with_other_trained_parameters_is_one_line(ddp_killed, fsdp_killed, tiny_data, tmp_path):
+    """Head first (--freeze), then the whole model (--resume auto without --freeze): the optimizer's state is for
+    the head alone. DDP and FSDP each end in one line naming the way (the weights with --weights)."""
+    for mode, folder in (("ddp", ddp_killed[0].parent), ("fsdp", fsdp_killed[0])):
+        shutil.copytree(folder, tmp_path / mode)
+        args = [arg for arg in EXACT if arg != "--freeze"]
+        proc = run_sh(mode, 2, *args, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / mode,
+                      "--resume", "auto")
+        assert proc.returncode == 1, (mode, proc.stderr[-3000:])
+        line = one_error_line(proc.stderr)
+        assert line.startswith("error: --resume: the checkpoint's optimizer state is for other trained parameters") \
+            and "--weights" in line, (mode, line)
