@@ -268,9 +268,9 @@ def test_a_run_folder_turned_read_only_mid_run_is_one_line_and_resumes(tiny_data
 def test_a_failed_first_best_pt_is_written_by_the_resumed_run(tiny_data, tmp_path):
     """70 MiB: room for one checkpoint of the frozen resnet18 (~45 MiB), not two. --save-every 3 leaves last.pt
     after step 3 of 6; the epoch's end then writes best.pt first, which does not fit: one line that claims no
-    earlier best.pt, and last.pt is the mid-epoch one. A killed save's temporary file (planted as SIGKILL leaves it) is gone once the
-    next job starts, and the resumed run, with room again, writes best.pt: the final weights of a 1-epoch run. The
-    training set holds an animated GIF (trained on as its first frame)."""
+    earlier best.pt, and last.pt is the mid-epoch one. A killed save's temporary file (planted as SIGKILL leaves
+    it) is gone once the next job starts, and the resumed run, with room again, writes best.pt: the final weights
+    of a 1-epoch run. The data holds an animated GIF (read as its first frame)."""
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     from PIL import Image
