@@ -493,8 +493,8 @@ def failure_of_every_rank(error):
     if "doesn't match the size of optimizer's group" in text or "different number of parameter groups" in text or \
             "Missing key in checkpoint state_dict: optimizer." in text:  # (DDP's and FSDP's words)
         return ("--resume: the checkpoint's optimizer state is for other trained parameters (a run with another "
-                "--freeze, or another build_optimizer()): resume with the same ones, or start from its weights with "
-                "--weights (the built-in model) and --output-dir a new folder")
+                "--freeze or --opt, or another build_optimizer()): resume with the same, or start from its weights "
+                "with --weights (the built-in model) and --output-dir a new folder")
     if "add(sparse, dense)" in text or "does not support sparse gradients" in text:  # nn.Embedding(sparse=True)
         return (f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
                 f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
