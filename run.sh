@@ -115,6 +115,21 @@ if [ "${NNODES:-1}" -gt 1 ]; then
   need tools/hosts.py
   plan=$("$PYTHON" tools/hosts.py plan) || exit 2
   read -r must_wait is_host local_addr ifname <<< "$plan"
+  # This node holds MASTER_ADDR: its MASTER_PORT is free (torchrun hosts the store there), or another agent of the
+  # job on this machine hosts the store there already. Anything else holding it would keep torchrun's client waiting
+  # for an answer for ever, past RDZV_TIMEOUT: ask it as that client does, for 10 s at most.
+  if [ "$must_wait" = 0 ] && ! "$PYTHON" -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
+       "$MASTER_PORT" 2>/dev/null && ! "$PYTHON" -c "if True:
+         import datetime, os, sys, threading, torch.distributed as dist
+         ask = lambda: dist.TCPStore(sys.argv[1], int(sys.argv[2]), timeout=datetime.timedelta(seconds=10))
+         client = threading.Thread(target=ask, daemon=True)
+         client.start()
+         client.join(10)
+         os._exit(client.is_alive())" "$MASTER_ADDR" "$MASTER_PORT" 2>/dev/null; then
+    echo "run.sh: MASTER_PORT $MASTER_PORT on this machine (it holds MASTER_ADDR) is held by a process that is not" \
+         "torch's store: choose another port for every node, or stop what holds it (ss -ltnp 'sport = :$MASTER_PORT')" >&2
+    exit 2
+  fi
   conf=join_timeout=$RDZV_TIMEOUT
   if [ "$is_host" != - ]; then conf+=,is_host=$is_host; fi
   where=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"

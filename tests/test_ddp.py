@@ -232,9 +232,9 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     assert len(errors) == 1 and "0003.jpg" in errors[0], unreadable.stderr[-3000:]
     assert "Traceback" not in unreadable.stdout
 
-    for proc, line in ((dict_items, "error: the training set's items must be (image tensor, int label) pairs; its "
-                                    "first is a dict with keys 'image', 'label': return (item[image key], "
-                                    "item[label key])"),
+    for proc, line in ((dict_items, "error: the training set's items must be (input tensor, target) pairs; its "
+                                    "first is a dict with keys 'image', 'label': return (item[input key], "
+                                    "item[target key])"),
                        (unused_layer, "error: some parameters got no gradient in the last step (2 3): the model holds "
                                       "a module that forward() does not use; remove it, or pass "
                                       "find_unused_parameters=True in the DDP(...) line (docs/troubleshooting.md)")):

@@ -288,8 +288,10 @@ EXAMPLES = REPO / "examples"
 
 
 def flags_known(command):
-    """Every --flag of the script's command line is one the torchrun rung (or utils.py's parser) declares."""
-    calls = re.findall(r"add_argument\(([^)]*)", (REPO / SCRIPT).read_text() + (REPO / "utils.py").read_text())
+    """Every --flag of the script's command line is one the torchrun rung (or utils.py's parser, or the built-in
+    task's in builtin.py) declares."""
+    sources = [(REPO / name).read_text() for name in (SCRIPT, "utils.py", "builtin.py")]
+    calls = re.findall(r"add_argument\(([^)]*)", "".join(sources))
     declared = {flag for call in calls for flag in re.findall(r'"(--[\w-]+)"', call)}
     flags = {arg.split("=")[0] for arg in command if arg.startswith("--")}
     assert flags and flags <= declared, flags - declared

@@ -116,6 +116,24 @@ def test_a_taken_master_port_is_refused_with_its_number():
     assert f"MASTER_PORT {port} is already in use" in proc.stderr
 
 
+def test_a_master_port_held_by_a_foreign_listener_ends_in_one_line():
+    """NNODES=2 and no NODE_RANK on the machine that holds MASTER_ADDR, its MASTER_PORT held by a process that is not
+    torch's store (here: a listening socket that never answers): torchrun's client would wait on it for as long as it
+    listens (500 s, measured), past RDZV_TIMEOUT; run.sh asks it as that client does, and ends within seconds."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.time()
+        proc = run_sh("ddp", "1", "--epochs", "1", timeout=90,
+                      env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="20"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = (f"run.sh: MASTER_PORT {port} on this machine (it holds MASTER_ADDR) is held by a process that is not "
+            f"torch's store: choose another port for every node, or stop what holds it (ss -ltnp 'sport = :{port}')")
+    assert proc.stderr.splitlines()[-1] == line, proc.stderr
+    assert time.time() - started < 60
+
+
 def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, tmp_path):
     """Rank 1 stopped (SIGSTOP: a hung NFS read, a stuck driver) with --dist-timeout 10: rank 0's all-reduce times out
     (gloo's RuntimeError, not a DistError) and says so in one line; the launcher then ends the frozen rank after

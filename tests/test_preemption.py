@@ -118,7 +118,7 @@ def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoc
     assert_resumed_after(resumed.stdout, step=3)  # epoch 2 from its first step
     assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
     mine, theirs = (torch.load(run / "best.pt", weights_only=True) for run in (folder / "run", reference))
-    assert mine["best_acc"] == theirs["best_acc"] and mine["epoch"] == theirs["epoch"]
+    assert mine["best"] == theirs["best"] and mine["epoch"] == theirs["epoch"]
 
 
 def read_chars(pid):
