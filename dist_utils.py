@@ -132,8 +132,9 @@ class StopOnSignal:
         return bool(self.seen)
 
     def agreed(self):
-        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: after
-        every step, so a job stops one step after the signal, however long a step takes."""
+        """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: before
+        each micro-step and after the evaluation, so a job stops one step after the signal, however long a step
+        takes."""
         seen = torch.tensor([self.seen[-1] if self.seen else 0])
         with torch.profiler.record_function("stop vote"):  # (--profile's report counts it apart from the training's)
             torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.group)

@@ -150,7 +150,7 @@ case "$mode" in
   amp) cmd=("$PYTHON" -m torch.distributed.run) script=train_ddp_amp.py ;;
   fsdp) cmd=("$PYTHON" -m torch.distributed.run) script=train_fsdp.py ;;
 esac
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see train_ddp_torchrun.py
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}  # see dist_utils.restart_safe_store
 if [ ! -f tools/launcher.py ]; then  # run.sh copied without tools/: the launcher itself, its report and exit status
   echo "run.sh: no tools/launcher.py beside run.sh: the launcher runs as it is, with its own report after an error" \
        "or a stop (copy tools/ for one-line endings)" >&2

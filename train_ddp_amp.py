@@ -339,4 +339,4 @@ if __name__ == "__main__":
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (slow first step)")
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
-        dist.destroy_process_group()  # (one_line_errors() destroys it on every other exit)
+        dist.destroy_process_group()  # (one_line_errors() also does, on any exit: an error's too)

@@ -323,4 +323,4 @@ if __name__ == "__main__":
                         help="seconds a collective waits for a missing rank before the job fails instead of hanging")
     with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
-        dist.destroy_process_group()  # (one_line_errors() destroys it on every other exit)
+        dist.destroy_process_group()  # (one_line_errors() also does, on any exit: an error's too)

@@ -368,7 +368,9 @@ def test_the_torchx_command_carries_what_the_scripts_need():
     assert args["--resume"] == "auto" and args["--output-dir"].startswith(mount["dst"] + "/")
 
 
-def test_the_sbatch_file_runs_one_task_per_gpu_and_continues_after_a_requeue():
+def test_the_sbatch_file_asks_one_task_per_gpu_and_requeues_with_resume_auto():
+    """What the file says, read (bash -n and its lines): no SLURM here to run it or requeue it; the "srun-python"
+    engine above starts the script as srun would, and proves the script's side."""
     text = (EXAMPLES / "sbatch.sh").read_text()
     assert subprocess.run(["bash", "-n", EXAMPLES / "sbatch.sh"], timeout=10).returncode == 0
     sbatch = dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?", text, re.M))

@@ -116,6 +116,7 @@ def test_no_warning_of_a_deprecated_or_unclosed_thing(references):
     (test_single.py's test says why)."""
     warned = [line for line in references["bn_stderr"].splitlines() if re.search(r"\w+Warning\b", line)]
     assert not warned, warned
+    assert (references["bn"] / "results.json").is_file()  # it ran to the end (the fixture also checks its exit)
 
 
 def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_figures(trained_bn, tiny_data, bare,

@@ -32,7 +32,7 @@ def test_default_loader_workers_follow_the_cores(monkeypatch):
 
 
 def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
-    """Every tensor of the state (model, optimizer state nested in dicts and lists, scaler) goes through .cpu()
+    """Every tensor of the state (model, optimizer state, tensors nested in dicts and lists) goes through .cpu()
     before torch.save, so that a checkpoint written on a GPU opens with plain torch.load where there is none
     (tests/test_gpu.py proves it on a GPU)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))

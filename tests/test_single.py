@@ -99,6 +99,7 @@ def test_no_warning_of_a_deprecated_or_unclosed_thing(runs):
     unclosed, from our code or from what it calls (torchvision.io's decoders, deprecated in 0.29, warned on every run;
     the run folder's lock file was left unclosed). The next deprecation shows here the day it lands."""
     for name, done in runs.items():
+        check_ok(done.proc)  # a run that crashed early would warn of nothing
         warned = [line for line in done.proc.stderr.splitlines() if re.search(r"\w+Warning\b", line)]
         assert not warned, (name, warned)
 
