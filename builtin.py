@@ -26,8 +26,10 @@ DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 
 try:  # TorchCodec: PyTorch's image decoder (torchvision.io's is deprecated); PIL where it is not installed
     from torchcodec.decoders import decode_image as codec_decode, decode_jpeg as codec_jpeg
-except Exception:  # not installed, or built for another torch
+    codec_missing = None
+except Exception as error:  # not installed, or built for another torch: datasets() says so
     codec_decode = codec_jpeg = None
+    codec_missing = utils.first_line(error)
 
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -53,6 +55,9 @@ def datasets(args):
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     img_size = args.img_size or (64 if args.data_path is None else 224)
+    if codec_missing and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: TorchCodec cannot be imported ({codec_missing}): the images are decoded with PIL, slower on "
+              f"small images; pip install -r requirements.txt", flush=True)
     classes, train_files, val_files = find_images(args.data_path or demo_data(), args.val_fraction)
     train_set = ImageFiles(train_files, img_size, train=True)
     val_set = ImageFiles(val_files, img_size, train=False)

@@ -8,6 +8,7 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -325,3 +326,41 @@ def test_training_image_grid_for_any_dataset(tmp_path):
         accumulator.Reload()
         images = accumulator.Tags()["images"]
         assert len(images) == shown and (not shown or images == ["train/augmented_images"]), (name, images)
+
+
+def test_torchcodec_decodes_where_installed_and_its_absence_is_said_in_one_line(tiny_data, tmp_path, capsys,
+                                                                                monkeypatch):
+    """requirements.txt installs TorchCodec: builtin.py decodes every JPEG and PNG of the folder with it (counted
+    through the module's own names). Where it cannot be imported, builtin.datasets() says so once, at start, and the
+    images decode with PIL alike."""
+    import importlib
+    import importlib.util
+    import types
+    assert importlib.util.find_spec("torchcodec") and builtin.codec_decode is not None and builtin.codec_missing is None
+    calls = []
+    for name in ("codec_decode", "codec_jpeg"):
+        real = getattr(builtin, name)
+        monkeypatch.setattr(builtin, name, lambda data, mode, real=real, name=name: calls.append(name) or real(
+            data, mode=mode))
+    photo(tmp_path / "extra.png", 40, 30)
+    for path in (next(tiny_data.glob("c0/*.jpg")), tmp_path / "extra.png"):
+        assert builtin.decode_image(path).shape[0] == 3
+    assert calls == ["codec_jpeg", "codec_decode"], calls
+    monkeypatch.undo()
+    args = types.SimpleNamespace(data_path=str(tiny_data), img_size=32, val_fraction=0.25)
+    builtin.datasets(args)
+    assert "TorchCodec" not in capsys.readouterr().out
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "torchcodec.decoders", None)  # as if not installed: its import raises
+        importlib.reload(builtin)
+        try:
+            assert builtin.codec_decode is None
+            _, val_set, _ = builtin.datasets(args)
+            assert val_set[0][0].shape == (3, 32, 32)  # PIL decoded it
+        finally:
+            patch.undo()
+            importlib.reload(builtin)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: TorchCodec cannot be imported (") and lines[0].endswith(
+        "): the images are decoded with PIL, slower on small images; pip install -r requirements.txt"), lines
+    assert builtin.codec_decode is not None
