@@ -137,7 +137,7 @@ def test_a_master_port_held_by_a_foreign_listener_ends_in_one_line():
 def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, tmp_path):
     """Rank 1 stopped (SIGSTOP: a hung NFS read, a stuck driver) with --dist-timeout 10: rank 0's all-reduce times out
     (gloo's RuntimeError, not a DistError) and says so in one line; the launcher then ends the frozen rank after
-    its grace period (30 s), and its report stays in run.sh's log."""
+    its grace period (30 s), and its report stays in run.sh's log, in the run folder."""
     job, lines, frozen = start_sh("ddp", 2, *DEFAULTS, "-b", "2", "--data-path", tiny_data, "--dist-timeout", 10,
                                   "--output-dir", tmp_path / "run"), [], None
     if read_until(job, lines, "epoch 1/2  step 2/12"):
@@ -152,6 +152,9 @@ def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, t
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
     assert 10 <= took < 10 + 30 + 20, took  # the timeout, the launcher's grace period, a loaded machine
     assert_job_gone(job.token)
+    # the report left out is kept in the run folder, not in the temporary folder, where such logs piled up
+    report = tmp_path / "run" / "launcher.log"
+    assert f"run.sh: the launcher's full report: {report}" in output and "ChildFailedError" in report.read_text()
 
 
 class RunsCode:

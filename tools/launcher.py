@@ -11,13 +11,15 @@ drops its own report):
         its traceback for a signal (the ranks printed `stopped by ...`), its failure report (an `E...` log line, a
         ChildFailedError traceback and its "Root Cause" box) once a rank printed its one `error:` line, and a
         rendezvous failure's frames, for which it prints one line. Any other traceback is shown whole. LOG gets the
-        whole stderr, kept (and named in one line) only when something not a signal report was left out. Exits with
+        whole stderr, kept (and named in one line) only when something not a signal report was left out: moved into
+        the run folder (launcher.log) once rank 0 has named it ("output in DIR"), else left where it is. Exits with
         the number of the signal that stopped the agent (0 if none). Failed writes (a closed terminal, a broken
         pipe) are dropped and it reads on, so that the ranks can still save and end.
 """
 import os
 import re
 import selectors
+import shutil
 import sys
 
 TRACEBACK = "Traceback (most recent call last):"
@@ -29,6 +31,7 @@ CPP_MORE = re.compile(r"(Exception raised from |frame #\d+: |<omitting python fr
 SIGNAL = re.compile(r"torch\S*SignalException: Process \d+ got signal: (\d+)$")
 RENDEZVOUS = re.compile(r"torch\S*\.(Rendezvous\w*Error)\b")
 CHILD_FAILED = re.compile(r"torch\S*\.ChildFailedError:")
+RUN_FOLDER = re.compile(r"; output in (.+)$")  # rank 0's header line
 
 
 def tie(parent, command):
@@ -67,6 +70,7 @@ class Filter:
         self.explained = False  # a rank printed its one `error:` line
         self.left_out = None  # why the log is worth keeping: "explained" or "rendezvous"
         self.signal, self.rendezvous, self.detail, self.rules = 0, None, "", 0
+        self.run_folder = None  # where the job writes, once rank 0's header said it
 
     def line(self, line):
         self.log.write(line)
@@ -140,6 +144,13 @@ def close_report(flt, log_path):
             flt.err.write(f"run.sh: the nodes could not meet at {where} ({flt.rendezvous}"
                           f"{': ' + flt.detail if flt.detail else ''}): check MASTER_ADDR and MASTER_PORT on every "
                           f"node (bash run.sh doctor)\n")
+    if flt.run_folder and os.path.isdir(flt.run_folder):  # where the user looks: not a temporary folder that fills up
+        kept = os.path.join(flt.run_folder, "launcher.log")
+        try:
+            shutil.move(log_path, kept)
+            log_path = kept
+        except OSError:  # (a full or read-only disk: it stays where it was)
+            pass
     flt.err.write(f"run.sh: the launcher's full report: {log_path}\n")
 
 
@@ -175,9 +186,11 @@ def filter_streams(out_fifo, err_fifo, log_path):
                         continue
                     if flt.state in (None, "exception"):
                         flt.flush()  # the job is talking: a group of the launcher's lines is complete
+                    if flt.run_folder is None and (named := RUN_FOLDER.search(text.rstrip("\n"))):
+                        flt.run_folder = named[1]
                     out.write(text)
         flt.flush()
-        close_report(flt, log_path)
+    close_report(flt, log_path)
     return flt.signal
 
 
