@@ -19,17 +19,18 @@ import torch.distributed.checkpoint as dcp
 from utils import STOP_SIGNALS, UsageError, first_line, load_file
 
 
-def require_launcher(script):
+def require_launcher(args, script):
     """Ranks from a launcher, or filled in as torchrun would from an engine that starts each process itself: a Kubeflow
-    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md)."""
+    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md). A
+    script whose args have --local-rank is torch.distributed.launch's: that launcher or none (whatever its name)."""
     env, name = os.environ, Path(script).name
-    mode = {"train_ddp_launch.py": "launch", "train_ddp_amp.py": "amp", "train_fsdp.py": "fsdp"}.get(name, "ddp")
+    launch = hasattr(args, "local_rank")
     if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
         if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
             raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
                              f"process per pod: start the pod's command with torchrun (it reads PET_*)")
         env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and mode != "launch":  # srun: a task per process
+    elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and not launch:  # srun: a task per process
         # LOCAL_WORLD_SIZE: the first node's tasks; MASTER_ADDR: the step's first node, unless given
         host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
         env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
@@ -37,9 +38,12 @@ def require_launcher(script):
                    MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),
                    MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
     if "RANK" not in env:
-        launcher = "python -m torch.distributed.launch" if mode == "launch" else "torchrun --standalone"
-        raise UsageError(f"start this script with a launcher, which runs one process per device: bash run.sh {mode} "
-                         f"[N], or {launcher} --nproc-per-node=N {name}")
+        launcher = "python -m torch.distributed.launch" if launch else "torchrun --standalone"
+        modes = {"train_ddp_launch.py": "launch", "train_ddp_torchrun.py": "ddp", "train_ddp_amp.py": "amp",
+                 "train_fsdp.py": "fsdp"}
+        run_sh = f"bash run.sh {modes[name]} [N], or " if name in modes else ""  # (not for a renamed copy)
+        raise UsageError(f"start this script with a launcher, which runs one process per device: {run_sh}{launcher} "
+                         f"--nproc-per-node=N {name}")
     if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
         import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process

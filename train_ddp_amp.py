@@ -114,7 +114,7 @@ class Metrics:
 
 def main(args):
     start_time = time.time()
-    dist_utils.require_launcher(__file__)
+    dist_utils.require_launcher(args, __file__)
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best

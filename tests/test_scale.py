@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (EXACT, assert_resumed_after, assert_same_weights, finish, free_port, in_this_process, job_env,
-                      kill_job, load_model_state, ok, ranks, run, start, start_sh, torchrun)
+from conftest import (EXACT, REPO, assert_resumed_after, assert_same_weights, finish, free_port, in_this_process,
+                      job_env, kill_job, load_model_state, ok, ranks, run, start, start_sh, torchrun)
 import builtin
 import utils
 
@@ -259,3 +259,14 @@ def test_a_ddp_script_started_without_a_launcher_says_how_to_start_it(script, ho
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: start this script with") and how in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_renamed_copy_keeps_its_launcher(tmp_path, capfd):
+    """The launch rung copied as my_training.py: still torch.distributed.launch's (its --local-rank says so, not its
+    name), and the line names the copy, not a run.sh mode it has none of."""
+    copy = tmp_path / "my_training.py"
+    shutil.copy(REPO / "train_ddp_launch.py", copy)
+    proc = in_this_process(str(copy), ["--epochs", "1"], capfd)
+    assert proc.returncode == 1
+    assert proc.stderr == ("error: start this script with a launcher, which runs one process per device: python -m "
+                           "torch.distributed.launch --nproc-per-node=N my_training.py\n"), proc.stderr
