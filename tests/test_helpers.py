@@ -426,6 +426,25 @@ def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
     assert ended.value.code == 1 and err.startswith(line) and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_sparse_gradient_under_the_default_optimizers_is_one_line(opt, capsys, monkeypatch):
+    """nn.Embedding(sparse=True) under the task block's build_optimizer: SGD's weight decay cannot add a sparse
+    gradient, AdamW takes none at all; the real errors, each one line naming the way."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    args = argparse.Namespace(opt=opt, weight_decay=1e-4 if opt == "sgd" else 0.05)
+    optimizer = train_single.build_optimizer(args, model, 0.1)
+    with pytest.raises(SystemExit) as ended:
+        with utils.one_line_errors():
+            model(torch.tensor([1, 2])).sum().backward()
+            optimizer.step()
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer (") and \
+        err.endswith("use sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
+                     "(docs/adapting.md)\n"), err
+
+
 def test_other_failures_keep_their_traceback(capsys):
     with pytest.raises(SystemExit):
         with utils.one_line_errors():
