@@ -61,7 +61,8 @@ def build_model(args, num_outputs):
 
 def build_optimizer(args, model, lr):
     """--opt sgd: SGD with momentum and weight decay on every parameter (torchvision's classification recipe).
-    --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes)."""
+    --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes).
+    lr: this run's, for its global batch; a group given an LR of its own keeps it, and the schedule scales both."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if args.opt == "sgd":
         return torch.optim.SGD([p for _, p in trained], lr=lr, momentum=0.9, weight_decay=args.weight_decay)
@@ -202,6 +203,7 @@ def main(args):
     global_batch = args.batch_size * world_size * args.accum_steps
     lr = args.lr * global_batch / 256
     optimizer = build_optimizer(args, model, lr)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
     schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
     start_epoch, start_samples, best, resumed = 0, 0, None, ""
@@ -295,8 +297,8 @@ def main(args):
             if not last_micro:
                 continue
             global_step = epoch * steps_per_epoch + step + 1
-            for group in optimizer.param_groups:  # the LR is a function of the step alone: nothing to checkpoint
-                group["lr"] = lr * schedule(global_step - 1)
+            for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
+                group["lr"] = base_lr * schedule(global_step - 1)
             if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
