@@ -673,13 +673,16 @@ class Logger:
             hint = f": data loading is the bottleneck; {self.fix}" if waiting > 0.1 else ""
             print(f"epoch {self.epoch + 1}/{self.epochs}  {metrics_line(metrics)}  train time {seconds:.1f}s, "
                   f"{100 * waiting:.0f}% waiting for data{hint}", flush=True)
-            confusion = torch.tensor(metrics.get("confusion", []))
+            try:  # a classifier's [true, predicted] counts, names x names, are drawn
+                confusion = torch.as_tensor(metrics.get("confusion", []))
+            except (TypeError, ValueError):  # another task's "confusion", of another shape
+                confusion = torch.zeros(0)
             with self.writing():
                 self.writer.add_scalar("train/data_wait", waiting, global_step)
                 for name, value in metrics.items():
                     if isinstance(value, float):
                         self.writer.add_scalar(f"val/{name}", value, global_step)
-                if confusion.shape == (len(self.names), len(self.names)):  # a classifier's [true, predicted] counts
+                if confusion.shape == (len(self.names), len(self.names)):
                     self.writer.add_image("val/confusion", confusion_image(confusion, self.names), global_step)
                 self.writer.flush()
 
