@@ -122,6 +122,21 @@ def test_a_port_in_use_fails_the_run(tmp_path):
     assert next(c for c in data["checks"] if c["name"] == "allreduce")["status"] == "skip"
 
 
+def test_a_broken_torchvision_is_its_one_failure(tmp_path):
+    """The doctor is needed most when an install is broken: with a torchvision that does not import (a stand-in
+    first on PYTHONPATH, as a torchvision built for another torch fails), that is its one failing check, and every
+    other check still runs (the bf16 one used to import the project's helpers, and torchvision through them)."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text('raise ImportError("built for another torch")\n')
+    result = run_doctor("--no-allreduce", env={"PYTHONPATH": str(tmp_path)}, timeout=60)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = [line for line in lines if line.startswith("fail")]
+    assert failed == ["fail  torchvision does not import (ImportError: built for another torch); pip install -r "
+                      "requirements.txt"], lines
+    assert line_of(lines, r"CPU bf16: ").startswith(("ok    CPU bf16: ", "warn  CPU bf16: "))
+
+
 def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
     report = tmp_path / "report.txt"
     result = run(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
