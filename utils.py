@@ -175,33 +175,44 @@ _RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock fi
 def claim_output_dir(output_dir):
     """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Rank 0
     holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS)."""
-    import fcntl
     import torch.distributed as dist
     error, _RUN_DIR["folder"] = None, output_dir
     if int(os.environ.get("RANK", 0)) == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(output_dir / ".lock", "a+")
         try:
-            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as failure:
-            if failure.errno in (errno.EACCES, errno.EAGAIN):  # else a filesystem without locks: go on
-                lock.seek(0)
-                error = (f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): "
-                         f"let it end (or stop it) before you resume it, or choose another --output-dir")
+            output_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(output_dir / ".lock", "a+")
+        except OSError as failure:  # a read-only or full disk, a file where the folder should be
+            error = (f"cannot write into {output_dir} ({failure.strerror or failure}): choose another --output-dir, "
+                     f"or make that one writable")
         else:
-            for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote
-                stale.unlink(missing_ok=True)
-            lock.truncate(0)
-            lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            lock.flush()
-            _RUN_DIR["lock"] = lock
-            atexit.register(lock.close)  # held to the end: closing it lets go of the lock
+            error = hold(lock, output_dir)
     if dist.is_available() and dist.is_initialized():  # every rank ends alike: one line, from local rank 0
         error = [error]
         dist.broadcast_object_list(error, src=0)
         error = error[0]
     if error:
         raise UsageError(error)
+
+
+def hold(lock, output_dir):
+    """claim_output_dir's lock on the open .lock file, kept to the end: None, or why not (another job holds it)."""
+    import fcntl
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as failure:
+        if failure.errno in (errno.EACCES, errno.EAGAIN):  # else a filesystem without locks: go on
+            lock.seek(0)
+            return (f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): let it "
+                    f"end (or stop it) before you resume it, or choose another --output-dir")
+        return None
+    for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote
+        stale.unlink(missing_ok=True)
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    _RUN_DIR["lock"] = lock
+    atexit.register(lock.close)  # held to the end: closing it lets go of the lock
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- data

@@ -368,6 +368,16 @@ def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
 
 
 # --------------------------------------------------------------------------------------------- the run folder
+def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path):
+    """A file where the run folder should be (as a read-only or full disk, an OSError from mkdir or from opening the
+    lock): one line naming the folder and the way, not a traceback."""
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(utils.UsageError) as refused:
+        utils.claim_output_dir(tmp_path / "taken" / "run")
+    assert str(refused.value) == (f"cannot write into {tmp_path / 'taken' / 'run'} (Not a directory): choose another "
+                                  f"--output-dir, or make that one writable"), refused.value
+
+
 def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
     """A second process that claims the folder while the first holds it is refused, with the holder named; once the
     holder has ended (here: killed), the folder is free, though its lock file stays."""
