@@ -100,11 +100,17 @@ if [ "$mode" = bench ]; then need tools/bench.py; exec "$PYTHON" tools/bench.py 
 
 # Single node: --standalone picks a free port. Multi-node: NNODES>1 and MASTER_ADDR:MASTER_PORT of node 0.
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
+port_free() {  # bound as torch's store binds it (SO_REUSEADDR): the last job's connections in TIME_WAIT are no obstacle
+  "$PYTHON" -c "if True:
+    import socket, sys
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    probe.bind(('', int(sys.argv[1])))" "$1" 2>/dev/null
+}
 if [ "${NNODES:-1}" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}" "${MASTER_PORT:=29500}" "${RDZV_TIMEOUT:=300}"
   export NNODES MASTER_ADDR MASTER_PORT RDZV_TIMEOUT
-  if [ "${NODE_RANK:-}" = 0 ] && ! "$PYTHON" -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
-       "$MASTER_PORT" 2>/dev/null; then
+  if [ "${NODE_RANK:-}" = 0 ] && ! port_free "$MASTER_PORT"; then
     echo "run.sh: MASTER_PORT $MASTER_PORT is already in use on this machine (the first node): choose another" \
          "port for every node, or stop what holds it (ss -ltnp 'sport = :$MASTER_PORT')" >&2
     exit 2
@@ -118,8 +124,7 @@ if [ "${NNODES:-1}" -gt 1 ]; then
   # This node holds MASTER_ADDR: its MASTER_PORT is free (torchrun hosts the store there), or another agent of the
   # job on this machine hosts the store there already. Anything else holding it would keep torchrun's client waiting
   # for an answer for ever, past RDZV_TIMEOUT: ask it as that client does, for 10 s at most.
-  if [ "$must_wait" = 0 ] && ! "$PYTHON" -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
-       "$MASTER_PORT" 2>/dev/null && ! "$PYTHON" -c "if True:
+  if [ "$must_wait" = 0 ] && ! port_free "$MASTER_PORT" && ! "$PYTHON" -c "if True:
          import datetime, os, sys, threading, torch.distributed as dist
          ask = lambda: dist.TCPStore(sys.argv[1], int(sys.argv[2]), timeout=datetime.timedelta(seconds=10))
          client = threading.Thread(target=ask, daemon=True)

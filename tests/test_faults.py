@@ -73,10 +73,30 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
     assert sorted(p.name for p in (small_disk / "run").glob(".*tmp")) == []
 
 
+def port_in_time_wait():
+    """A port whose last connection this machine closed first, as a finished job's store does: it stays in TIME_WAIT
+    for a minute, in which a plain bind() is refused but torch's store (SO_REUSEADDR) binds it."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server's side closes first: its end waits in TIME_WAIT
+            assert client.recv(1) == b""
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("", port))
+    return port
+
+
 def test_a_node_that_never_arrives_ends_with_one_line():
+    """The first node (NODE_RANK=0) alone, on a port that the job before it left in TIME_WAIT: the port is free for
+    torch's store, and the job ends within RDZV_TIMEOUT in one line."""
     started = time.time()
-    proc = run_sh("ddp", "1", "--epochs", "1", timeout=90,
-                  env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_TIMEOUT="5"))
+    env = job_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port_in_time_wait()),
+                  RDZV_TIMEOUT="5")
+    proc = run_sh("ddp", "1", "--epochs", "1", timeout=90, env=env)
     assert proc.returncode != 0
     assert "run.sh: not all 2 nodes joined" in proc.stderr and "RDZV_TIMEOUT" in proc.stderr
     assert time.time() - started < 60
