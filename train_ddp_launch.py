@@ -145,7 +145,6 @@ def main(args):
                             persistent_workers=args.workers > 0)
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)
-    epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
                                f"({len(train_loader.sampler)}); lower it")
@@ -165,20 +164,19 @@ def main(args):
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
     schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
-    start_epoch, start_samples, best, resumed = 0, 0, None, ""
+    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
+    best = None  # the best value of the metric that best.pt follows
+    resumed = ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, classes)
         model.module.load_state_dict(checkpoint["model"])
         if not args.test_only:
             optimizer.load_state_dict(checkpoint["optimizer"])
-            start_epoch, start_samples, best = checkpoint["epoch"], checkpoint["samples"], checkpoint["best"]
-            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
-                       f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
+            position.load_state_dict(checkpoint)
+            best = checkpoint["best"]
+            resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
-    # The first step to run: the samples done are the same whatever the batch size and processes that did
-    # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
-    start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
+    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
@@ -193,48 +191,52 @@ def main(args):
             utils.report_test(output_dir, resume, metrics)
         return
 
-    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
-        utils.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                               "epoch": epoch,
-                               "samples": samples, "global_batch": global_batch, "best": best,
-                               "args": vars(args), "classes": classes}, output_dir, is_best)
+    def save(is_best=False):
+        checkpoint = {
+            "model": model.module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            **position.state_dict(),  # epoch, samples done, global batch
+            "best": best,
+            "args": vars(args),
+            "classes": classes,
+        }
+        utils.save_checkpoint(checkpoint, output_dir, is_best)
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
-    log.add_training_images(train_loader.dataset, start_epoch)
+                       purge_step=position.global_step + 1, enabled=rank == 0)
+    log.add_training_images(train_loader.dataset, position.epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     metrics = None
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(position.epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
-        train_loader.sampler.start(epoch, start_samples)
+        position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_mode(model)
-        log.start_epoch(epoch, start_step)
-        samples = start_samples
-        for step, (inputs, targets) in enumerate(log.timed(train_loader), start=start_step):
+        log.start_epoch(epoch, position.step)
+        for step, (inputs, targets) in enumerate(log.timed(train_loader), start=position.step):
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             inputs = utils.normalize(inputs.to(device, non_blocking=True))
             targets = targets.to(device, non_blocking=True)
             loss = compute_loss(model(inputs), targets)
             loss.backward()
-            global_step = epoch * steps_per_epoch + step + 1
             for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
-                group["lr"] = base_lr * schedule(global_step - 1)
+                group["lr"] = base_lr * schedule(position.global_step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            samples += global_batch
-            log.step(step, global_step, loss, optimizer.param_groups[0]["lr"])
+            position.advance()  # a global batch more of the epoch's samples done
+            log.step(step, position.global_step, loss, optimizer.param_groups[0]["lr"])
             profiler.step()
-            if rank == 0 and args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
-                save(epoch, samples)
-        start_step, start_samples = 0, 0
+            saves_now = args.save_every and position.global_step % args.save_every == 0
+            if rank == 0 and saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
+                save()
 
         metrics = evaluate(model.module, val_loader, device, classes)
-        log.end_epoch(global_step, metrics)
+        log.end_epoch(position.global_step, metrics)
         is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
         if is_best:
             best = metrics[Metrics.best]
+        position.end_epoch()  # the next epoch starts at its first sample
         if rank == 0:
-            save(epoch + 1, 0, is_best)
+            save(is_best)
     log.close()
     profiler.close()
 

@@ -160,7 +160,6 @@ def main(args):
                             persistent_workers=args.workers > 0, worker_init_fn=dist_utils.ignore_stop_signals)
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
-    epoch_samples = len(train_sampler) * world_size  # one epoch's samples, over all ranks
     if steps_per_epoch == 0 and not args.test_only:
         raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
                                f"training images per process ({len(train_loader.sampler)}); lower either")
@@ -206,7 +205,9 @@ def main(args):
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
     schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
 
-    start_epoch, start_samples, best, resumed = 0, 0, None, ""
+    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
+    best = None  # the best value of the metric that best.pt follows
+    resumed = ""
     if resume:
         checkpoint = utils.load_checkpoint(resume, classes)
         sharded = checkpoint["optimizer"]  # our last.pt names the folder of its shards (other scripts': the state)
@@ -219,14 +220,11 @@ def main(args):
             reader = dist_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
             dcp.load(state, storage_reader=reader, planner=reader.planner)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            start_epoch, start_samples, best = checkpoint["epoch"], checkpoint["samples"], checkpoint["best"]
-            resumed = (f"\nresuming from {resume}: epoch {start_epoch + 1} after {start_samples} of its "
-                       f"{epoch_samples} samples (at global batch {checkpoint['global_batch']})")
+            position.load_state_dict(checkpoint)
+            best = checkpoint["best"]
+            resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
-    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(start_epoch, start_samples))
-    # The first step to run: the samples done are the same whatever the batch size and processes that did
-    # them, and this run's steps (its LR schedule, logs and checkpoints) count in its own global batch.
-    start_step = steps_per_epoch - (epoch_samples - start_samples) // global_batch
+    dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
@@ -242,20 +240,27 @@ def main(args):
             utils.report_test(output_dir, resume, metrics)
         return
 
-    def save(epoch, samples, is_best=False):  # samples: how far into the epoch's shuffled order training is
+    def save(is_best=False):
         for buffer in model.buffers():  # FSDP never syncs buffers: save rank 0's BatchNorm statistics on every rank
             dist.broadcast(buffer, src=0)
         # Every rank writes its shards to a new folder; rank 0 then writes last.pt: full weights and the folder's name.
-        folder = [output_dir / f"last-step{global_step}-{time.time_ns()}.dcp"]  # unique (steps renumber on resume)
+        # A unique name: a resume at another global batch renumbers the steps
+        folder = [output_dir / f"last-step{position.global_step}-{time.time_ns()}.dcp"]
         dist.broadcast_object_list(folder, src=0)  # rank 0's name
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=folder[0])
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank > 0:
             return
-        utils.save_checkpoint({"model": full, "optimizer": folder[0].name,
-                               "epoch": epoch,
-                               "samples": samples, "global_batch": global_batch, "best": best, "run_id": run_id,
-                               "args": vars(args), "classes": classes}, output_dir, is_best)
+        checkpoint = {
+            "model": full,
+            "optimizer": folder[0].name,
+            **position.state_dict(),  # epoch, samples done, global batch
+            "best": best,
+            "run_id": run_id,
+            "args": vars(args),
+            "classes": classes,
+        }
+        utils.save_checkpoint(checkpoint, output_dir, is_best)
         for old in set(output_dir.glob("last-*.dcp")) - {folder[0]}:  # last.pt names the new one
             shutil.rmtree(old)
 
@@ -263,30 +268,29 @@ def main(args):
     # stop after the same step, rank 0 saves there, and --resume auto continues.
     stop = dist_utils.StopOnSignal()
 
-    def stop_here(epoch, samples):
-        save(epoch, samples)  # every rank: each writes its shards
-        stop.exit(global_step, output_dir)  # one line; exit status 128 + the signal
+    def stop_here():
+        save()  # every rank: each writes its shards
+        stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
 
     log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=start_epoch * steps_per_epoch + start_step + 1, enabled=rank == 0)
-    log.add_training_images(train_loader.dataset, start_epoch)
+                       purge_step=position.global_step + 1, enabled=rank == 0)
+    log.add_training_images(train_loader.dataset, position.epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
-    metrics, global_step = None, start_epoch * steps_per_epoch + start_step
+    metrics = None
     memory = None  # bytes of parameters, gradients and optimizer state held by this rank
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(position.epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
-        train_loader.sampler.start(epoch, start_samples)
+        position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_mode(model)
-        log.start_epoch(epoch, start_step)
-        samples = start_samples
+        log.start_epoch(epoch, position.step)
         batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
-        for micro_step, (inputs, targets) in enumerate(log.timed(batches), start=start_step * args.accum_steps):
+        for micro_step, (inputs, targets) in enumerate(log.timed(batches), start=position.step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
             if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
-                stop_here(epoch, samples)
+                stop_here()
             utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
             inputs = utils.normalize(inputs.to(device, non_blocking=True))
             targets = targets.to(device, non_blocking=True)
@@ -296,29 +300,29 @@ def main(args):
             loss.backward()
             if not last_micro:
                 continue
-            global_step = epoch * steps_per_epoch + step + 1
             for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
-                group["lr"] = base_lr * schedule(global_step - 1)
+                group["lr"] = base_lr * schedule(position.global_step)
             if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
             memory = memory or dist_utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
             optimizer.zero_grad(set_to_none=True)
-            samples += global_batch
-            log.step(step, global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
+            position.advance()  # a global batch more of the epoch's samples done
+            log.step(step, position.global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
             profiler.step()
-            if args.save_every and global_step % args.save_every == 0 and step + 1 < steps_per_epoch:
-                save(epoch, samples)
-        start_step, start_samples = 0, 0
+            saves_now = args.save_every and position.global_step % args.save_every == 0
+            if saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
+                save()
 
         metrics = evaluate(model, val_loader, device, classes, stop)
         if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
-            stop_here(epoch, samples)
-        log.end_epoch(global_step, metrics)
+            stop_here()
+        log.end_epoch(position.global_step, metrics)
         is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
         if is_best:
             best = metrics[Metrics.best]
-        save(epoch + 1, 0, is_best)
+        position.end_epoch()  # the next epoch starts at its first sample
+        save(is_best)
     log.close()
     profiler.close()
 

@@ -332,6 +332,61 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.length
 
 
+class Position:
+    """Where training is: an epoch, and how many samples of its shuffled order (over all processes) are done.
+
+    A checkpoint keeps the samples done, not the step: they are the same whatever the batch size and number of
+    processes that did them, so a run resumed with other ones continues at the same sample. Its steps (the LR
+    schedule, logs and checkpoints) count in its own global batch: a global step after a resume at another global
+    batch is a step of this run's size."""
+
+    def __init__(self, sampler, global_batch, steps_per_epoch):
+        self.sampler = sampler  # the training loader's EpochSampler
+        self.global_batch = global_batch  # samples per optimizer step, over all processes
+        self.steps_per_epoch = steps_per_epoch
+        # One epoch's samples over all processes: each of the world's ranks reads as many
+        self.epoch_samples = len(sampler.sampler) * getattr(sampler.sampler, "num_replicas", 1)
+        self.epoch = 0
+        self.samples = 0
+
+    @property
+    def step(self):
+        """This epoch's optimizer steps done, in this run's global batch: the index of the next one."""
+        samples_left = self.epoch_samples - self.samples
+        return self.steps_per_epoch - samples_left // self.global_batch
+
+    @property
+    def global_step(self):
+        """Optimizer steps done since training began."""
+        return self.epoch * self.steps_per_epoch + self.step
+
+    def start_epoch(self, epoch):
+        """The loader yields this epoch's order from the first sample not done: all of it, but for the epoch that a
+        resume starts in."""
+        self.epoch = epoch
+        self.sampler.start(epoch, self.samples)
+
+    def advance(self):
+        """One optimizer step done: a global batch more of the epoch's samples."""
+        self.samples += self.global_batch
+
+    def end_epoch(self):
+        """The epoch is done (and evaluated): the next one starts at its first sample."""
+        self.epoch += 1
+        self.samples = 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "samples": self.samples, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state):
+        """Continue where a checkpoint's run was, whatever its global batch."""
+        self.epoch = state["epoch"]
+        self.samples = state["samples"]
+
+    def __str__(self):
+        return f"epoch {self.epoch + 1} after {self.samples} of its {self.epoch_samples} samples"
+
+
 # ------------------------------------------------------------------------------------------------ model
 def train_mode(model):
     """model.train(), but BatchNorm layers whose weights are all frozen (a frozen backbone) stay in eval mode: their

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import (DEFAULTS, EXACT, FAST, REPO, assert_job_gone, finish, free_port, job_env, ranks, read_until,
+from conftest import (DEFAULTS, EXACT, FAST, REPO, assert_job_gone, finish, job_env, ranks, read_until,
                       run_sh, start, start_sh, torchrun)
 
 

@@ -43,44 +43,54 @@ def epoch_order(n, seed, epoch):
                                           ((2, 7), (3, 4))])
 def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, after):
     """A checkpoint written after any step of an epoch by W1 processes x batch B1, resumed by W2 processes x batch
-    B2 (each a (W, B) pair): the samples the first run's ranks trained on, and what each rank of the second run then
-    reads, as the scripts' samplers give them (utils.EpochSampler over DistributedSampler), against the order
-    itself. Each rank's whole remainder is its share of the rest of the order, as long on every rank (else one rank
-    would run a batch more than the others: mismatched collectives), so every rank fills each of the steps the
-    scripts run, no sample is repeated and none skipped."""
+    B2 (each a (W, B) pair; B stands for batch x accumulation steps): the position the scripts save and resume
+    (utils.Position), and the samples each rank reads from it (utils.EpochSampler over DistributedSampler), against
+    the order itself. Each rank's whole remainder is its share of the rest of the order, as long on every rank (else
+    one rank would run a batch more than the others: mismatched collectives), so every rank fills each of the steps
+    the scripts run, no sample is repeated and none skipped; the global step counts in the second run's batch."""
     dataset, seed = list(range(50)), 3
     order = epoch_order(len(dataset), seed, 0)
 
-    def sampler(world_size, rank):
-        return utils.EpochSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                                     seed=seed, drop_last=True))
+    def position(world_size, rank, batch):
+        sampler = utils.EpochSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                                        seed=seed, drop_last=True))
+        steps_per_epoch = len(dataset) // world_size // batch  # as the scripts' drop_last loaders give it
+        return utils.Position(sampler, world_size * batch, steps_per_epoch)
 
     (w1, b1), (w2, b2) = before, after
-    usable1, usable2 = len(dataset) // w1 * w1, len(dataset) // w2 * w2  # drop_last: the same count on each rank
+    usable2 = len(dataset) // w2 * w2  # drop_last: the same count on each rank
     stepped = 0
-    for steps_done in range(usable1 // w1 // b1):  # a checkpoint after each step of the first run's epoch
-        position = steps_done * w1 * b1  # what the checkpoint saves: samples of the order done
+    for steps_done in range(len(dataset) // w1 // b1):  # a checkpoint after each step of the first run's epoch
         seen = []
         for rank in range(w1):
-            first = sampler(w1, rank)
-            first.start(0, 0)
-            seen += [index for _, index in first][:steps_done * b1]
-        assert sorted(seen) == sorted(order[:position])  # the first run trained on a prefix of the order
+            first = position(w1, rank, b1)
+            first.start_epoch(0)
+            seen += [index for _, index in first.sampler][:steps_done * b1]
+            for _ in range(steps_done):
+                first.advance()
+        saved = first.state_dict()
+        assert saved == {"epoch": 0, "samples": steps_done * w1 * b1, "global_batch": w1 * b1}
+        assert sorted(seen) == sorted(order[:saved["samples"]])  # the first run trained on a prefix of the order
 
-        steps_per_epoch = usable2 // w2 // b2
-        start_step = steps_per_epoch - (usable2 - position) // (w2 * b2)  # as the scripts compute it
-        steps_left = steps_per_epoch - start_step
         resumed = []
         for rank in range(w2):
-            second = sampler(w2, rank)
-            second.start(0, position)
-            mine = [index for _, index in second]
-            rest = order[position:usable2]
-            share = rest[(rank - position) % w2::w2][:len(rest) // w2]  # as many on every rank: the same batches
-            assert mine == share, (rank, position)  # the whole remainder: its share of the rest of the order
+            second = position(w2, rank, b2)
+            second.load_state_dict(saved)
+            second.start_epoch(0)
+            steps_left = second.steps_per_epoch - second.step
+            assert second.global_step == second.step  # epoch 0
+            mine = [index for _, index in second.sampler]
+            rest = order[saved["samples"]:usable2]
+            share = rest[(rank - saved["samples"]) % w2::w2][:len(rest) // w2]  # as many on every rank
+            assert mine == share, (rank, saved)  # the whole remainder: its share of the rest of the order
             assert len(mine) >= steps_left * b2, (rank, len(mine), steps_left)  # enough for every step run
             resumed += mine[:steps_left * b2]
-        assert sorted(seen + resumed) == sorted(order[:position + steps_left * w2 * b2])  # none twice, none skipped
+            for _ in range(steps_left):
+                second.advance()
+            assert second.step == second.steps_per_epoch  # the epoch ends where the scripts' loop ends it
+            second.end_epoch()
+            assert (second.epoch, second.samples, second.global_step) == (1, 0, second.steps_per_epoch)
+        assert sorted(seen + resumed) == sorted(order[:saved["samples"] + steps_left * w2 * b2])  # none twice
         stepped += steps_left > 0
     assert stepped >= 2  # most checkpoints leave steps to run: the comparisons above are not of empty lists
 
