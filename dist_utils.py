@@ -1,10 +1,9 @@
 """Helpers for the rungs that a launcher starts (DDP, AMP, FSDP), beside utils.py: the launcher's environment, elastic
-restarts, the ranks' checks and stop vote, the autocast dtype, FSDP's sharded checkpoints read without running code."""
+restarts, the ranks' checks, stop vote and error exit, the run folder claimed for all ranks, the autocast dtype.
+FSDP's own helpers are in fsdp_utils.py."""
 import contextlib
 import datetime
-import io
 import os
-import pickle
 import re
 import signal
 import socket
@@ -14,17 +13,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
+import utils
 from utils import STOP_SIGNALS, UsageError, first_line, load_file
 
 
-def require_launcher(args, script):
+def require_launcher(launcher):
     """Ranks from a launcher, or filled in as torchrun would from an engine that starts each process itself: a Kubeflow
-    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md). A
-    script whose args have --local-rank is torch.distributed.launch's: that launcher or none (whatever its name)."""
-    env, name = os.environ, Path(script).name
-    launch = hasattr(args, "local_rank")
+    pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md).
+    launcher: the script's, named in the line said without one: "torchrun", or "torch.distributed.launch" (its
+    processes get --local-rank, and no ranks from srun)."""
+    env, name = os.environ, Path(sys.argv[0]).name
+    launch = launcher == "torch.distributed.launch"
     if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
         if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
             raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
@@ -38,11 +38,11 @@ def require_launcher(args, script):
                    MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),
                    MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
     if "RANK" not in env:
-        launcher = "python -m torch.distributed.launch" if launch else "torchrun --standalone"
+        command = "python -m torch.distributed.launch" if launch else "torchrun --standalone"
         modes = {"train_ddp_launch.py": "launch", "train_ddp_torchrun.py": "ddp", "train_ddp_amp.py": "amp",
                  "train_fsdp.py": "fsdp"}
         run_sh = f"bash run.sh {modes[name]} [N], or " if name in modes else ""  # (not for a renamed copy)
-        raise UsageError(f"start this script with a launcher, which runs one process per device: {run_sh}{launcher} "
+        raise UsageError(f"start this script with a launcher, which runs one process per device: {run_sh}{command} "
                          f"--nproc-per-node=N {name}")
     if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
         import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
@@ -120,6 +120,57 @@ def same_on_every_rank(classes, train_set, val_set, resume_point):
                                  f": every node needs the same --data-path contents and --output-dir (a shared disk)")
 
 
+def claim_output_dir(output_dir):
+    """utils.claim_output_dir() by global rank 0, its outcome told to every rank: a second job into the folder, or a
+    folder that cannot be written, ends every rank alike, in one line from one of them."""
+    error = [None]
+    try:
+        utils.claim_output_dir(output_dir)  # global rank 0 holds the folder; the others only note it
+    except UsageError as failure:
+        error = [str(failure)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+
+
+PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
+TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
+COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation "
+                                  r"timeout")  # gloo's and NCCL's: a RuntimeError
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """utils.one_line_errors() for the rungs that a launcher starts: a process of the job that ended, or did not
+    answer within --dist-timeout, is one line too, not a traceback from every rank. The process group is destroyed
+    on every exit, after the line."""
+    try:
+        with utils.one_line_errors():
+            try:
+                yield
+            except Exception as error:
+                line = None if isinstance(error, UsageError) else peer_failure(error)
+                if line is None:
+                    raise
+                print(line, file=sys.stderr)
+                raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def peer_failure(error):
+    """The line for a failure that another process of the job caused, or None."""
+    text = str(error).strip()
+    if PEER_GONE.search(text):  # a consequence: the process that ended first says why
+        return f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line(error)})"
+    if COLLECTIVE_TIMED_OUT.search(text) or (isinstance(error, dist.DistError) and TIMED_OUT.search(text)):
+        return (f"error: the other processes did not all answer within --dist-timeout ({first_line(error)}): one is "
+                f"missing or stuck (a process that never started, a hung read, a stuck driver); start every process "
+                f"(every node), or raise --dist-timeout")  # (said by each rank that waited)
+    return None
+
+
 class StopOnSignal:
     """A stop signal is noted, not acted on at once: the ranks agree to stop after the same step, and save there.
     Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
@@ -160,15 +211,6 @@ def ignore_stop_signals(worker_id):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
 
 
-def shard_bytes(model, optimizer):
-    """FSDP: bytes of this rank's shards of the parameters, gradients and optimizer state (AdamW's step counts are
-    plain tensors, on every rank)."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (a DTensor's shard)
-    return {name: sum(local(t).nbytes for t in tensors if t is not None) for name, tensors in (
-        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
-        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
-
-
 def autocast_dtype(requested, device):
     """--amp-dtype as a torch dtype (default: bf16), refused where the device cannot compute it at speed. A CPU whose
     oneDNN has no bf16 kernels (x86 without AVX512, e.g. AVX2 only) runs bf16 autocast 10-30x slower than fp32."""
@@ -192,61 +234,3 @@ def cpu_computes_bf16():
     with contextlib.suppress(Exception):  # a private op (torch 2.14): where it is missing, assume the CPU can
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return True
-
-
-def sharded_checkpoint(run_dir, name):
-    """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
-    last.pt: it must be a folder of the same run folder."""
-    folder = Path(run_dir) / str(name)
-    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
-            and folder.resolve().parent == Path(run_dir).resolve()):
-        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
-                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
-    return SafeReader(folder)
-
-
-class SafeReader(dcp.FileSystemReader):
-    """torch's reader of a sharded checkpoint reads its .metadata with pickle.load, and the items that are not tensors
-    (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
-    This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
-    planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
-    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                                       "TensorStorageMetadata", "BytesStorageMetadata",
-                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
-             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
-
-    def __init__(self, folder):
-        super().__init__(folder)
-        try:
-            with open(Path(folder) / ".metadata", "rb") as f:
-                self.metadata = self.Unpickler(f).load()
-            files = [info.relative_path for info in self.metadata.storage_data.values()]
-        except Exception as error:
-            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
-                             f"checkpoint that these scripts wrote") from None
-        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
-            raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
-        self.planner = SafeLoadPlanner()
-
-    def read_metadata(self, *args, rank=None, **kwargs):
-        if rank is not None:  # a rank's own metadata, which these scripts never write
-            raise FileNotFoundError(f"no metadata of rank {rank}")
-        self.metadata.storage_meta = self.metadata.storage_meta or dcp.metadata.StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            if name in SafeReader.TYPES.get(module, ()) or (
-                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-                return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
-
-
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):
-        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
-        torch.save(torch.load(value, weights_only=True), safe)
-        safe.seek(0)
-        super().load_bytes(read_item, safe)

@@ -115,7 +115,7 @@ class Metrics:
 
 def main(args):
     start_time = time.time()
-    dist_utils.require_launcher(args, __file__)
+    dist_utils.require_launcher("torchrun")
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
@@ -199,7 +199,7 @@ def main(args):
             resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
-    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
+    dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
@@ -343,6 +343,6 @@ if __name__ == "__main__":
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), help="default bf16; fp16: CUDA, with a GradScaler")
     parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (slow first step)")
-    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
+    with dist_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
         dist.destroy_process_group()  # (one_line_errors() also does, on any exit: an error's too)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import dist_utils
+import fsdp_utils
 import utils
 
 
@@ -123,7 +124,7 @@ class Metrics:
 
 def main(args):
     start_time = time.time()
-    dist_utils.require_launcher(args, __file__)
+    dist_utils.require_launcher("torchrun")
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
@@ -217,7 +218,7 @@ def main(args):
             raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
         else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
             state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            reader = dist_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
+            reader = fsdp_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
             dcp.load(state, storage_reader=reader, planner=reader.planner)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             position.load_state_dict(checkpoint)
@@ -225,7 +226,7 @@ def main(args):
             resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
-    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
+    dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
@@ -305,7 +306,7 @@ def main(args):
             if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
-            memory = memory or dist_utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
+            memory = memory or fsdp_utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
             optimizer.zero_grad(set_to_none=True)
             position.advance()  # a global batch more of the epoch's samples done
             log.step(step, position.global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
@@ -385,6 +386,6 @@ if __name__ == "__main__":
                         help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)")
     parser.add_argument("--hsdp", type=int, default=0, metavar="R", help="HSDP: R replicas, each sharded over N/R")
     parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
-    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
+    with fsdp_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
-        utils.destroy_process_group()  # and what FSDP's meshes keep of the group (one_line_errors(): other exits)
+        dist.destroy_process_group()  # (one_line_errors() also does, on any exit, and lets FSDP's meshes go)

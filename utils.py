@@ -4,7 +4,6 @@ import argparse
 import atexit
 import contextlib
 import errno
-import gc
 import json
 import math
 import multiprocessing
@@ -27,14 +26,7 @@ from pathlib import Path
 
 import numpy
 import torch
-
-collecting = gc.isenabled()
-gc.disable()  # torchvision's import makes ~150,000 objects that live on: collecting among them costs ~0.3 s a process
-import torchvision
-import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset
-if collecting:  # as it was: importing utils changes nothing in your program
-    gc.enable()
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
@@ -173,23 +165,19 @@ _RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock fi
 
 
 def claim_output_dir(output_dir):
-    """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Rank 0
-    holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS)."""
-    import torch.distributed as dist
-    error, _RUN_DIR["folder"] = None, output_dir
-    if int(os.environ.get("RANK", 0)) == 0:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            lock = open(output_dir / ".lock", "a+")
-        except OSError as failure:  # a read-only or full disk, a file where the folder should be
-            error = (f"cannot write into {output_dir} ({failure.strerror or failure}): choose another --output-dir, "
-                     f"or make that one writable")
-        else:
-            error = hold(lock, output_dir)
-    if dist.is_available() and dist.is_initialized():  # every rank ends alike: one line, from local rank 0
-        error = [error]
-        dist.broadcast_object_list(error, src=0)
-        error = error[0]
+    """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Global rank
+    0 holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS); the other ranks
+    only note the folder (dist_utils.claim_output_dir tells them rank 0's outcome)."""
+    _RUN_DIR["folder"] = output_dir
+    if int(os.environ.get("RANK", 0)) > 0:
+        return
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / ".lock", "a+")
+    except OSError as failure:  # a read-only or full disk, a file where the folder should be
+        raise UsageError(f"cannot write into {output_dir} ({failure.strerror or failure}): choose another "
+                         f"--output-dir, or make that one writable") from None
+    error = hold(lock, output_dir)
     if error:
         raise UsageError(error)
 
@@ -306,7 +294,7 @@ class SeededItems(Dataset):
 def seed_step(seed, epoch, step):
     """Seed torch (CPU and devices) from (seed, rank, epoch, step): what the model draws (Dropout, stochastic depth)
     is then the same in a resumed run as in an uninterrupted one, and each rank's own."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = int(os.environ.get("RANK", 0))  # the launcher's (require_launcher's where an engine starts the processes)
     torch.manual_seed(hash((seed, rank, epoch, step)) & 0xFFFF_FFFF_FFFF)
 
 
@@ -493,16 +481,11 @@ def load_checkpoint(path, names):
 
 
 # ------------------------------------------------------------------------------------------ how a run ends
-PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
-TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
-COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation "
-                                  r"timeout")  # gloo's and NCCL's: a RuntimeError
-
-
 @contextlib.contextmanager
 def one_line_errors():
-    """Every rung's __main__: bad input, Ctrl-C, a lost or silent peer, a full /dev/shm, a failure every rank meets:
-    one line from one process (docs/robustness.md); anything else: its traceback. Loader workers end first."""
+    """Every rung's __main__: bad input, Ctrl-C, a full /dev/shm, a failure every rank meets: one line from one
+    process (docs/robustness.md); anything else: its traceback. Loader workers end first. The rungs that a launcher
+    starts use dist_utils.one_line_errors(), which adds a lost or silent peer and the process group's teardown."""
     status, local_rank_0 = 1, lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0  # read late: srun's is set in main
     try:
         yield
@@ -520,16 +503,7 @@ def one_line_errors():
     except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
         status = exit.code
     except BaseException as error:
-        text = str(error).strip()
-        if PEER_GONE.search(text):  # a consequence: the process that ended first says why
-            print(f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line(error)})",
-                  file=sys.stderr)
-        elif COLLECTIVE_TIMED_OUT.search(text) or (
-                isinstance(error, getattr(torch.distributed, "DistError", ())) and TIMED_OUT.search(text)):
-            print(f"error: the other processes did not all answer within --dist-timeout ({first_line(error)}): one is "
-                  f"missing or stuck (a process that never started, a hung read, a stuck driver); start every process "
-                  f"(every node), or raise --dist-timeout", file=sys.stderr)  # (by each rank that waited)
-        elif "shared memory" in text:  # a loader worker's batch did not fit: /dev/shm is full
+        if "shared memory" in str(error):  # a loader worker's batch did not fit: /dev/shm is full
             print(f"error: {shm_too_small('the loader workers of this node', 'fewer --workers')}", file=sys.stderr)
         elif line := failure_of_every_rank(error):  # the same on every rank: local rank 0 says it
             if local_rank_0():
@@ -539,7 +513,6 @@ def one_line_errors():
         else:
             traceback.print_exc()
     end_loader_workers()
-    destroy_process_group()
     sys.exit(status)
 
 
@@ -588,19 +561,6 @@ def end_loader_workers():  # they ignore SIGTERM, and would outlive this process
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
     for worker in multiprocessing.active_children():
         worker.kill()
-
-
-def destroy_process_group():
-    """dist.destroy_process_group(), and its last references let go: its threads end now, not in the interpreter's
-    exit, where gloo's teardown aborted an FSDP rank now and then (docs/fsdp.md)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
-        dist.destroy_process_group()
-        from torch.distributed.device_mesh import DeviceMesh  # meshes keep their groups, DTensor's caches the meshes
-        for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # (isinstance: warnings)
-            with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
-                mesh._pg_registry.clear()
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
@@ -690,9 +650,13 @@ class Logger:
         picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist() if self.enabled else []
         images = [items[(epoch, i)][0] for i in picks]  # of every class
         if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
+            batch = torch.stack(images)
+            if batch.is_floating_point():  # TensorBoard draws floats from 0 to 1: each image from its min to its max
+                low = batch.amin(dim=(1, 2, 3), keepdim=True)
+                high = batch.amax(dim=(1, 2, 3), keepdim=True)
+                batch = (batch - low) / (high - low).clamp(min=1e-12)
             with self.writing():
-                self.writer.add_image("train/augmented_images", torchvision.utils.make_grid(
-                    torch.stack(images), nrow=8, normalize=images[0].is_floating_point(), scale_each=True), epoch)
+                self.writer.add_images("train/augmented_images", batch, epoch)  # a grid, 8 a row
         if self.enabled and hasattr(items.dataset, "large_photo_hint"):  # (builtin.ImageFiles)
             self.fix = items.dataset.large_photo_hint() or self.fix
 
@@ -799,7 +763,7 @@ def confusion_image(confusion, classes):
     canvas.paste(strip, (0, side))
     canvas.paste(strip.rotate(90, expand=True), (side, 0))
     draw.multiline_text((side + grid + 70, side), "\n".join(notes), "black", font, spacing=8)
-    return TF.pil_to_tensor(canvas)
+    return torch.from_numpy(numpy.array(canvas)).permute(2, 0, 1)
 
 
 # --------------------------------------------------------------------------------------------- profiling

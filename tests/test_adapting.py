@@ -434,11 +434,16 @@ STOP_AT = "epoch 2/3  step 5/12"  # mid-epoch, the epoch after a best.pt, so tha
 
 
 def users_project(folder, rung, task):
-    """folder/ with the rung and its helpers copied in (utils.py; dist_utils.py where a launcher starts it), the rung's
-    task block replaced by the user's; the DDP rungs register the user's hook."""
+    """folder/ with the rung and its helpers copied in (utils.py; dist_utils.py where a launcher starts it;
+    fsdp_utils.py for FSDP), the rung's task block replaced by the user's; the DDP rungs register the user's hook."""
     folder.mkdir()
     script = RUNGS[rung][0]
-    for name in ("utils.py",) + (("dist_utils.py",) if RUNGS[rung][1] else ()):
+    helpers = ["utils.py"]
+    if RUNGS[rung][1]:  # started by a launcher
+        helpers.append("dist_utils.py")
+    if rung == "fsdp":
+        helpers.append("fsdp_utils.py")
+    for name in helpers:
         shutil.copy(REPO / name, folder)
     text = (REPO / script).read_text()
     start, end = re.search(r"^# -+ your task$", text, re.M).start(), text.index("def main(args):")

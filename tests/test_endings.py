@@ -117,26 +117,30 @@ def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(defau
 
 TEARDOWN = r"""
 import gc, os, sys, torch, torch.distributed as dist
-gc.disable()  # (a program that runs without the collector: importing utils must leave it off)
+gc.disable()  # (a program that runs without the collector: importing builtin must leave it off)
 sys.path.insert(0, sys.argv[1])
-import utils
-print("collector after importing utils:", "on" if gc.isenabled() else "off")
+import builtin, fsdp_utils
+print("collector after importing builtin:", "on" if gc.isenabled() else "off")
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 for case in ("as in torch 2.14", "renamed"):
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{sys.argv[2 + len(case) % 2]}")
     mesh = init_device_mesh("cpu", (1,))
     if case == "renamed":  # a torch release without the private attribute
         del mesh._pg_registry
-    utils.destroy_process_group()
+    dist.destroy_process_group()
+    fsdp_utils.release_meshes()
     print(f"{case}: initialized after:", dist.is_initialized())
 """
 
 
 def test_the_process_group_teardown_survives_a_torch_without_its_private_attribute():
-    """utils.destroy_process_group() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
+    """fsdp_utils.release_meshes() empties each DeviceMesh's private _pg_registry so the group goes at once: if a
     torch release renames it, the exit must still end with the script's own status, not a traceback. (And importing
-    utils, which imports torchvision with the garbage collector paused, leaves it as the program had it: off here.)"""
+    builtin, which imports torchvision with the garbage collector paused, leaves it as the program had it: off here.)"""
     proc = run([sys.executable, "-c", TEARDOWN, REPO, free_port(), free_port()], timeout=60)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == ["collector after importing utils: off", "as in torch 2.14: initialized after: "
-                                        "False", "renamed: initialized after: False"], proc.stdout
+    assert proc.stdout.splitlines() == [
+        "collector after importing builtin: off",
+        "as in torch 2.14: initialized after: False",
+        "renamed: initialized after: False",
+    ], proc.stdout

@@ -9,6 +9,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy
 import pytest
@@ -20,8 +22,31 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import builtin
 import dist_utils
+import fsdp_utils
 import train_single  # its task block: the default loss, optimizer and target check
 import utils
+
+
+# ------------------------------------------------------------------------------ what a copier of a rung pays for
+HELPERS_ALONE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.modules["torchvision"] = None  # not installed: a copy with its own task needs none (builtin.py does)
+sys.modules["torch.distributed.checkpoint"] = None  # FSDP's checkpoints (fsdp_utils.py)
+import utils
+import dist_utils
+print("imported")
+"""
+
+
+def test_a_copier_pays_only_for_the_helpers_of_its_rung():
+    """utils.py (all that train_single.py and train_dp.py import) and dist_utils.py (what the DDP rungs add) import
+    without torchvision and without FSDP's checkpoint machinery, and utils.py uses nothing of torch.distributed."""
+    proc = subprocess.run([sys.executable, "-c", HELPERS_ALONE, str(Path(utils.__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout == "imported\n", proc.stderr[-2000:]
+    source = Path(utils.__file__).read_text()
+    assert "torch.distributed" not in source and "import dist" not in source
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -317,7 +342,7 @@ def sharded(tmp_path_factory):
 
 
 def load(run, name, state):
-    reader = dist_utils.sharded_checkpoint(run, name)
+    reader = fsdp_utils.sharded_checkpoint(run, name)
     with pytest.warns(UserWarning, match="single process"):
         dcp.load(state, storage_reader=reader, planner=reader.planner)
 
@@ -335,7 +360,7 @@ def test_a_crafted_metadata_pickle_runs_no_code(sharded, tmp_path):
     shutil.copytree(run / "last-step1-1.dcp", tmp_path / "last-step1-1.dcp")
     (tmp_path / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "code-ran")))
     with pytest.raises(utils.UsageError) as refused:
-        dist_utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
+        fsdp_utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
     assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in str(refused.value)
     assert not (tmp_path / "code-ran").exists()
 
@@ -363,7 +388,7 @@ def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "last-link.dcp").symlink_to(tmp_path / "elsewhere" / "last-step1-1.dcp")
     with pytest.raises(utils.UsageError) as refused:
-        dist_utils.sharded_checkpoint(tmp_path / "run", name)
+        fsdp_utils.sharded_checkpoint(tmp_path / "run", name)
     assert "are not a folder beside it" in str(refused.value)
 
 
@@ -430,7 +455,7 @@ def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
 def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as ended:
-        with utils.one_line_errors():
+        with dist_utils.one_line_errors():  # utils.one_line_errors(), and what only a job of several processes meets
             raise error
     err = capsys.readouterr().err
     assert ended.value.code == 1 and err.startswith(line) and err.count("\n") == 1, err
@@ -479,8 +504,7 @@ def test_a_steps_randomness_is_a_function_of_seed_rank_epoch_and_step():
 def test_each_rank_draws_its_own_randomness(monkeypatch):
     """Separate GPUs would not share Dropout masks: rank 1's step differs from rank 0's, and repeats itself."""
     def masks(rank):
-        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-        monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+        monkeypatch.setenv("RANK", str(rank))  # as the launcher sets it
         utils.seed_step(0, 1, 5)
         return torch.nn.functional.dropout(torch.ones(64), 0.5)
     assert not torch.equal(masks(0), masks(1)) and torch.equal(masks(1), masks(1))

@@ -1,0 +1,103 @@
+"""Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints read without running code from
+them, the bytes each rank's shards hold, and the process group let go of at once on every exit."""
+import contextlib
+import gc
+import io
+import pickle
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+
+import dist_utils
+from utils import UsageError, first_line
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """dist_utils.one_line_errors(), and after it destroys the process group, what FSDP keeps of the group let go of
+    (release_meshes): train_fsdp.py's __main__."""
+    try:
+        with dist_utils.one_line_errors():
+            yield
+    finally:
+        release_meshes()
+
+
+def release_meshes():
+    """After dist.destroy_process_group(), the group lives on in every DeviceMesh (its private _pg_registry; DTensor's
+    caches hold the meshes) and in FSDP's reference cycles: it would be torn down while the interpreter exits, where
+    gloo's teardown aborted an FSDP rank now and then (docs/fsdp.md). Let go of it now."""
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # (isinstance: warnings)
+        with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
+            mesh._pg_registry.clear()
+    gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
+
+
+def shard_bytes(model, optimizer):
+    """Bytes of this rank's shards of the parameters, gradients and optimizer state (AdamW's step counts are
+    plain tensors, on every rank)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (a DTensor's shard)
+    return {name: sum(local(t).nbytes for t in tensors if t is not None) for name, tensors in (
+        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
+        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+
+
+def sharded_checkpoint(run_dir, name):
+    """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
+    last.pt: it must be a folder of the same run folder."""
+    folder = Path(run_dir) / str(name)
+    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
+            and folder.resolve().parent == Path(run_dir).resolve()):
+        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
+                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
+    return SafeReader(folder)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """torch's reader of a sharded checkpoint reads its .metadata with pickle.load, and the items that are not tensors
+    (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
+    This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
+    planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
+    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                                       "TensorStorageMetadata", "BytesStorageMetadata",
+                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        try:
+            with open(Path(folder) / ".metadata", "rb") as f:
+                self.metadata = self.Unpickler(f).load()
+            files = [info.relative_path for info in self.metadata.storage_data.values()]
+        except Exception as error:
+            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
+                             f"checkpoint that these scripts wrote") from None
+        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
+            raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
+        self.planner = SafeLoadPlanner()
+
+    def read_metadata(self, *args, rank=None, **kwargs):
+        if rank is not None:  # a rank's own metadata, which these scripts never write
+            raise FileNotFoundError(f"no metadata of rank {rank}")
+        self.metadata.storage_meta = self.metadata.storage_meta or dcp.metadata.StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name in SafeReader.TYPES.get(module, ()) or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
