@@ -7,6 +7,7 @@ last checkpoint, and multi-node rendezvous; plus --sync-bn and gradient accumula
 Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
 and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
+
 import contextlib
 import os
 import time
@@ -111,8 +112,11 @@ class Metrics:
         per_class = {}
         for i, (name, count) in enumerate(zip(self.names, counts)):
             per_class[name] = confusion[i, i].item() / count if count else None  # None: no sample of it
-        return {"acc": confusion.trace().item() / max(1, sum(counts)), "per_class_acc": per_class,
-                "confusion": confusion.tolist()}
+        return {
+            "acc": confusion.trace().item() / max(1, sum(counts)),
+            "per_class_acc": per_class,
+            "confusion": confusion.tolist(),
+        }
 
 
 def main(args):
@@ -131,9 +135,15 @@ def main(args):
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     store = dist_utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
-    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
-                            device_id=None if device.type == "cpu" else device)  # NCCL, XCCL or gloo; on this GPU
+    # NCCL between NVIDIA or AMD GPUs, XCCL between Intel's, gloo on CPUs; bound to this process's GPU
+    dist.init_process_group(
+        dist.get_default_backend_for_device(device),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=args.dist_timeout),
+        device_id=None if device.type == "cpu" else device,
+    )
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -142,21 +152,35 @@ def main(args):
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
-                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
-                              pin_memory=pin, persistent_workers=args.workers > 0,
-                              worker_init_fn=dist_utils.ignore_stop_signals)
+    train_loader = DataLoader(
+        utils.SeededItems(train_set, args.seed),
+        args.batch_size,
+        sampler=utils.EpochSampler(train_sampler),
+        num_workers=args.workers,
+        drop_last=True,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+        worker_init_fn=dist_utils.ignore_stop_signals,
+    )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
     # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
-    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
-                            persistent_workers=args.workers > 0, worker_init_fn=dist_utils.ignore_stop_signals)
+    val_loader = DataLoader(
+        val_slice,
+        args.batch_size,
+        num_workers=args.workers,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+        worker_init_fn=dist_utils.ignore_stop_signals,
+    )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     if steps_per_epoch == 0 and not args.test_only:
-        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
-                               f"training images per process ({len(train_loader.sampler)}); lower either")
+        raise utils.UsageError(
+            f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
+            f"training images per process ({len(train_loader.sampler)}); lower either"
+        )
 
     # Model
     torch.manual_seed(args.seed)
@@ -167,8 +191,10 @@ def main(args):
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print("warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
-              "BatchNorm")
+        print(
+            "warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
+            "BatchNorm"
+        )
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
     model = DDP(model, device_ids=None if device.type == "cpu" else [device.index])
 
@@ -195,11 +221,13 @@ def main(args):
     dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-        print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
-              f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
-              f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
-              f"{args.accum_steps} accumulation steps; "
-              f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}")
+        print(
+            f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
+            f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
+            f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
+            f"{args.accum_steps} accumulation steps; "
+            f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}"
+        )
 
     if args.test_only:
         metrics = evaluate(model.module, val_loader, device, classes)
@@ -228,8 +256,16 @@ def main(args):
             save()
         stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
 
-    log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=position.global_step + 1, enabled=rank == 0)
+    log = utils.Logger(
+        output_dir,
+        classes,
+        args.epochs,
+        steps_per_epoch,
+        global_batch,
+        args.print_freq,
+        purge_step=position.global_step + 1,
+        enabled=rank == 0,
+    )
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     metrics = None
@@ -284,14 +320,24 @@ def main(args):
     if rank > 0:
         return
     key = Metrics.best
-    results = {f"best_{key}": best, f"final_{key}": metrics[key], "epochs": args.epochs, "global_batch": global_batch,
-               "opt": args.opt, "lr": lr, "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               **utils.val_results(metrics)}
+    results = {
+        f"best_{key}": best,
+        f"final_{key}": metrics[key],
+        "epochs": args.epochs,
+        "global_batch": global_batch,
+        "opt": args.opt,
+        "lr": lr,
+        "train_img_per_s": log.img_per_s(),
+        "wall_s": time.time() - start_time,
+        **utils.val_results(metrics),
+    }
     utils.write_json(output_dir / "results.json", results)
-    print(f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
-          f"{results['train_img_per_s']:.1f} img/s\n"
-          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
-          f"view them with: tensorboard --logdir {output_dir.parent}")
+    print(
+        f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
+        f"{results['train_img_per_s']:.1f} img/s\n"
+        f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
+        f"view them with: tensorboard --logdir {output_dir.parent}"
+    )
 
 
 @torch.no_grad()
@@ -319,13 +365,18 @@ def evaluate(model, loader, device, names, stop=None):
         dist.all_reduce(total)
     return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
 
+
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--dist-timeout", type=int, default=300,
-                        help="seconds a collective waits for a missing rank before the job fails instead of hanging")
+    parser.add_argument(
+        "--dist-timeout",
+        type=int,
+        default=300,
+        help="seconds a collective waits for a missing rank before the job fails instead of hanging",
+    )
     with dist_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
         dist.destroy_process_group()  # (one_line_errors() also does, on any exit: an error's too)

@@ -4,6 +4,7 @@ train_single.py plus DataParallel: each step splits the batch between the GPUs a
 first one. Simple, but one Python process feeds every GPU; DistributedDataParallel (train_ddp_*.py) scales better.
     python train_dp.py                                   # on a CPU or a single GPU it runs unwrapped
 """
+
 import time
 
 import torch
@@ -102,8 +103,11 @@ class Metrics:
         per_class = {}
         for i, (name, count) in enumerate(zip(self.names, counts)):
             per_class[name] = confusion[i, i].item() / count if count else None  # None: no sample of it
-        return {"acc": confusion.trace().item() / max(1, sum(counts)), "per_class_acc": per_class,
-                "confusion": confusion.tolist()}
+        return {
+            "acc": confusion.trace().item() / max(1, sum(counts)),
+            "per_class_acc": per_class,
+            "confusion": confusion.tolist(),
+        }
 
 
 def main(args):
@@ -119,18 +123,31 @@ def main(args):
     pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
-    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
-                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
-                              pin_memory=pin, persistent_workers=args.workers > 0)
+    train_loader = DataLoader(
+        utils.SeededItems(train_set, args.seed),
+        args.batch_size,
+        sampler=utils.EpochSampler(train_sampler),
+        num_workers=args.workers,
+        drop_last=True,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+    )
     # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
     # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.workers, pin_memory=pin,
-                            persistent_workers=args.workers > 0)
+    val_loader = DataLoader(
+        val_set,
+        args.batch_size,
+        num_workers=args.workers,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+    )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0 and not args.test_only:
-        raise utils.UsageError(f"--batch-size {args.batch_size} is more than the training images per process "
-                               f"({len(train_loader.sampler)}); lower it")
+        raise utils.UsageError(
+            f"--batch-size {args.batch_size} is more than the training images per process "
+            f"({len(train_loader.sampler)}); lower it"
+        )
 
     # Model
     torch.manual_seed(args.seed)
@@ -163,10 +180,12 @@ def main(args):
             resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-    print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
-          f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
-          f"global batch {global_batch} split over {max(gpus, 1)} device(s); "
-          f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}")
+    print(
+        f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
+        f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
+        f"global batch {global_batch} split over {max(gpus, 1)} device(s); "
+        f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}"
+    )
 
     if args.test_only:
         metrics = evaluate(model, val_loader, device, classes)
@@ -184,8 +203,15 @@ def main(args):
         }
         utils.save_checkpoint(checkpoint, output_dir, is_best)
 
-    log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=position.global_step + 1)
+    log = utils.Logger(
+        output_dir,
+        classes,
+        args.epochs,
+        steps_per_epoch,
+        global_batch,
+        args.print_freq,
+        purge_step=position.global_step + 1,
+    )
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = utils.Profiler(output_dir, args.profile)
     metrics = None
@@ -224,14 +250,24 @@ def main(args):
     if metrics is None:  # the checkpoint had finished training already
         metrics = evaluate(model, val_loader, device, classes)
     key = Metrics.best
-    results = {f"best_{key}": best, f"final_{key}": metrics[key], "epochs": args.epochs, "global_batch": global_batch,
-               "opt": args.opt, "lr": lr, "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               **utils.val_results(metrics)}
+    results = {
+        f"best_{key}": best,
+        f"final_{key}": metrics[key],
+        "epochs": args.epochs,
+        "global_batch": global_batch,
+        "opt": args.opt,
+        "lr": lr,
+        "train_img_per_s": log.img_per_s(),
+        "wall_s": time.time() - start_time,
+        **utils.val_results(metrics),
+    }
     utils.write_json(output_dir / "results.json", results)
-    print(f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
-          f"{results['train_img_per_s']:.1f} img/s\n"
-          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
-          f"view them with: tensorboard --logdir {output_dir.parent}")
+    print(
+        f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
+        f"{results['train_img_per_s']:.1f} img/s\n"
+        f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
+        f"view them with: tensorboard --logdir {output_dir.parent}"
+    )
 
 
 @torch.no_grad()
@@ -249,6 +285,7 @@ def evaluate(model, loader, device, names):
         count += len(targets)
         metrics.update(outputs, targets)
     return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
+
 
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])

@@ -7,6 +7,7 @@ BatchNorm in fp32 (--amp-dtype bf16); sharded checkpoints resume at any number o
 Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
 and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 """
+
 import argparse
 import os
 import shutil
@@ -17,8 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -118,8 +124,11 @@ class Metrics:
         per_class = {}
         for i, (name, count) in enumerate(zip(self.names, counts)):
             per_class[name] = confusion[i, i].item() / count if count else None  # None: no sample of it
-        return {"acc": confusion.trace().item() / max(1, sum(counts)), "per_class_acc": per_class,
-                "confusion": confusion.tolist()}
+        return {
+            "acc": confusion.trace().item() / max(1, sum(counts)),
+            "per_class_acc": per_class,
+            "confusion": confusion.tolist(),
+        }
 
 
 def main(args):
@@ -138,9 +147,15 @@ def main(args):
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     store = dist_utils.restart_safe_store(args.dist_timeout)  # a restarted group must not read a dead attempt's keys
-    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.dist_timeout),
-                            device_id=None if device.type == "cpu" else device)  # NCCL, XCCL or gloo; on this GPU
+    # NCCL between NVIDIA or AMD GPUs, XCCL between Intel's, gloo on CPUs; bound to this process's GPU
+    dist.init_process_group(
+        dist.get_default_backend_for_device(device),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=args.dist_timeout),
+        device_id=None if device.type == "cpu" else device,
+    )
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
@@ -149,21 +164,35 @@ def main(args):
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(utils.SeededItems(train_set, args.seed), args.batch_size,
-                              sampler=utils.EpochSampler(train_sampler), num_workers=args.workers, drop_last=True,
-                              pin_memory=pin, persistent_workers=args.workers > 0,
-                              worker_init_fn=dist_utils.ignore_stop_signals)
+    train_loader = DataLoader(
+        utils.SeededItems(train_set, args.seed),
+        args.batch_size,
+        sampler=utils.EpochSampler(train_sampler),
+        num_workers=args.workers,
+        drop_last=True,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+        worker_init_fn=dist_utils.ignore_stop_signals,
+    )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
     # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
-    val_loader = DataLoader(val_slice, args.batch_size, num_workers=args.workers, pin_memory=pin,
-                            persistent_workers=args.workers > 0, worker_init_fn=dist_utils.ignore_stop_signals)
+    val_loader = DataLoader(
+        val_slice,
+        args.batch_size,
+        num_workers=args.workers,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+        worker_init_fn=dist_utils.ignore_stop_signals,
+    )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
     if steps_per_epoch == 0 and not args.test_only:
-        raise utils.UsageError(f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
-                               f"training images per process ({len(train_loader.sampler)}); lower either")
+        raise utils.UsageError(
+            f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
+            f"training images per process ({len(train_loader.sampler)}); lower either"
+        )
 
     # Model
     torch.manual_seed(args.seed)
@@ -174,16 +203,19 @@ def main(args):
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print("warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
-              "BatchNorm")
+        print(
+            "warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
+            "BatchNorm"
+        )
     # Shard each unit, then the root (what is left). Each rank keeps 1/world_size of the weights, all-gathers a unit
     # just before it runs and frees it after; gradients are reduce-scattered, each rank receiving its shard's. Unlike
     # DDP nothing is copied from rank 0: every rank built the same weights (same seed). The parameters are DTensors
     # then: the optimizer keeps its state (momentum) for the local shards only.
     # The units: a ResNet's residual blocks, else each child module of the model that holds parameters. A unit is
     # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
-    units = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))] or [
-        child for child in model.children() if list(child.parameters())]
+    units = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
+    if not units:  # another model: each child module that holds parameters
+        units = [child for child in model.children() if list(child.parameters())]
     # --amp-dtype bf16: weights gathered and computed in bf16, gradients reduced in fp32. BatchNorm stays in fp32 (its
     # statistics need the precision): each BatchNorm a unit of its own, its output cast back to bf16 for the next layer.
     bf16 = dist_utils.autocast_dtype(args.amp_dtype, device) if args.amp_dtype else None  # one line if it would crawl
@@ -193,10 +225,14 @@ def main(args):
     if args.hsdp and world_size % args.hsdp:
         raise utils.UsageError(f"--hsdp {args.hsdp} does not divide the {world_size} processes into replicas")
     shape = (args.hsdp, world_size // args.hsdp) if args.hsdp else (world_size,)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for unit in batchnorms + units:  # ZeRO-3 frees a unit's gathered weights after its forward; ZeRO-2 keeps them
-        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=MixedPrecisionPolicy(
-            torch.float32, output_dtype=bf16) if unit in batchnorms else policy)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=args.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=bf16) if unit in batchnorms else policy,
+        )
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
@@ -229,11 +265,13 @@ def main(args):
     dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
         utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
-        print(f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
-              f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
-              f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
-              f"{args.accum_steps} accumulation steps; "
-              f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}")
+        print(
+            f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
+            f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
+            f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
+            f"{args.accum_steps} accumulation steps; "
+            f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}"
+        )
 
     if args.test_only:
         metrics = evaluate(model, val_loader, device, classes)
@@ -245,7 +283,7 @@ def main(args):
         for buffer in model.buffers():  # FSDP never syncs buffers: save rank 0's BatchNorm statistics on every rank
             dist.broadcast(buffer, src=0)
         # Every rank writes its shards to a new folder; rank 0 then writes last.pt: full weights and the folder's name.
-        # A unique name: a resume at another global batch renumbers the steps
+        # The name is unique: a resume at another global batch renumbers the steps.
         folder = [output_dir / f"last-step{position.global_step}-{time.time_ns()}.dcp"]
         dist.broadcast_object_list(folder, src=0)  # rank 0's name
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=folder[0])
@@ -273,8 +311,16 @@ def main(args):
         save()  # every rank: each writes its shards
         stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
 
-    log = utils.Logger(output_dir, classes, args.epochs, steps_per_epoch, global_batch, args.print_freq,
-                       purge_step=position.global_step + 1, enabled=rank == 0)
+    log = utils.Logger(
+        output_dir,
+        classes,
+        args.epochs,
+        steps_per_epoch,
+        global_batch,
+        args.print_freq,
+        purge_step=position.global_step + 1,
+        enabled=rank == 0,
+    )
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
     metrics = None
@@ -332,15 +378,26 @@ def main(args):
     if rank > 0:
         return
     key = Metrics.best
-    results = {f"best_{key}": best, f"final_{key}": metrics[key], "epochs": args.epochs, "global_batch": global_batch,
-               "opt": args.opt, "lr": lr, "train_img_per_s": log.img_per_s(), "wall_s": time.time() - start_time,
-               "bytes_per_rank": memory, "world_size": world_size,
-               **utils.val_results(metrics)}
+    results = {
+        f"best_{key}": best,
+        f"final_{key}": metrics[key],
+        "epochs": args.epochs,
+        "global_batch": global_batch,
+        "opt": args.opt,
+        "lr": lr,
+        "train_img_per_s": log.img_per_s(),
+        "wall_s": time.time() - start_time,
+        "bytes_per_rank": memory,
+        "world_size": world_size,
+        **utils.val_results(metrics),
+    }
     utils.write_json(output_dir / "results.json", results)
-    print(f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
-          f"{results['train_img_per_s']:.1f} img/s\n"
-          f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
-          f"view them with: tensorboard --logdir {output_dir.parent}")
+    print(
+        f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
+        f"{results['train_img_per_s']:.1f} img/s\n"
+        f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
+        f"view them with: tensorboard --logdir {output_dir.parent}"
+    )
 
 
 @torch.no_grad()
@@ -374,16 +431,25 @@ def evaluate(model, loader, device, names, stop=None):
         dist.all_reduce(total)
     return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
 
+
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--dist-timeout", type=int, default=300,
-                        help="seconds a collective waits for a missing rank before the job fails instead of hanging")
+    parser.add_argument(
+        "--dist-timeout",
+        type=int,
+        default=300,
+        help="seconds a collective waits for a missing rank before the job fails instead of hanging",
+    )
     parser.add_argument("--amp-dtype", choices=("bf16",), help="FSDP's mixed precision, BatchNorm kept in fp32")
-    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                        help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)")
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)",
+    )
     parser.add_argument("--hsdp", type=int, default=0, metavar="R", help="HSDP: R replicas, each sharded over N/R")
     parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     with fsdp_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130

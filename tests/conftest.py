@@ -1,6 +1,7 @@
 """What the tests' processes see, the one job runner, and the checks of checkpoints and resumes. The session
 fixtures (tiny datasets, the reference runs) are in shared.py. `bash run.sh test` runs the suite with pytest-xdist:
 two workers, each taking whole modules (--dist loadfile)."""
+
 import contextlib
 import json
 import os
@@ -29,8 +30,19 @@ pytest_plugins = ["shared"]  # the session fixtures (shared.py): tiny datasets, 
 # W x B ends, to float32 summation order.
 FAST = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1"]
 DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]
-EXACT = ["--img-size", "32", "--epochs", "2", "--workers", "0", "--print-freq", "1", "--val-fraction", "0.25",
-         "--freeze"]
+EXACT = [
+    "--img-size",
+    "32",
+    "--epochs",
+    "2",
+    "--workers",
+    "0",
+    "--print-freq",
+    "1",
+    "--val-fraction",
+    "0.25",
+    "--freeze",
+]
 NAMED_WEIGHTS = [*EXACT, "--weights", "IMAGENET1K_V1"]  # torchvision's weights by name, from hub_cache
 BF16 = ["--amp-dtype", "bf16"]  # asked for by name: where the CPU has no bf16 arithmetic, the amp rung refuses it
 FP16_CLIP = "50"  # --clip-grad for the tiny runs' fp16/bf16: bounds the first steps (norm 60-80), which still learn
@@ -122,8 +134,15 @@ def start(cmd, *, env=None, cwd=REPO, timeout=300):
     """Popen(cmd), stdout and stderr merged, in a session of its own; after `timeout` seconds every process of the job
     is killed (which also ends a loop reading its output). job.token names its processes."""
     token = uuid.uuid4().hex
-    job = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**(env or job_env()), "TEST_JOB": token},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**(env or job_env()), "TEST_JOB": token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     job.token, job.watchdog = token, threading.Timer(timeout, kill_job, [token])
     job.watchdog.daemon = True
     job.watchdog.start()
@@ -142,9 +161,21 @@ def run_together(commands, *, env=None, cwd=REPO, timeout=150):
     try:
         for command in commands:
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            procs.append((subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err,
-                                           stdin=subprocess.DEVNULL, start_new_session=True,
-                                           env={**(env or job_env()), "TEST_JOB": token}), out, err))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [str(c) for c in command],
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        env={**(env or job_env()), "TEST_JOB": token},
+                    ),
+                    out,
+                    err,
+                )
+            )
         done = []
         for proc, out, err in procs:
             code = proc.wait(timeout=max(1, timeout - (time.time() - started)))
@@ -167,8 +198,12 @@ def start_sh(*args, env=None, timeout=300):
 
 
 def torchrun(nproc, script, *args, cwd=REPO, env=None, timeout=150, launcher="torch.distributed.run"):
-    return run([sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script, *args], cwd=cwd,
-               env=env, timeout=timeout)
+    return run(
+        [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}", script, *args],
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def in_this_process(script, args, capfd):
@@ -298,8 +333,13 @@ def assert_same_weights(a, b, atol=0.0):
             assert torch.equal(x, y), f"{key}: integer tensors differ"
             continue
         x, y = x.double(), y.double()
-        diff = float("inf") if not torch.equal(x.isnan(), y.isnan()) else \
-            torch.where((x == y) | x.isnan(), 0.0, (x - y).abs()).max().item() if x.numel() else 0.0
+        diff = (
+            float("inf")
+            if not torch.equal(x.isnan(), y.isnan())
+            else torch.where((x == y) | x.isnan(), 0.0, (x - y).abs()).max().item()
+            if x.numel()
+            else 0.0
+        )
         if atol == 0.0 and diff == 0.0 and not torch.equal(x.signbit(), y.signbit()):
             diff = float("inf")
         if diff > worst:
@@ -322,21 +362,23 @@ def assert_resumed_after(output, step=None):
     resumes = list(RESUMING.finditer(output))
     assert resumes, f"no 'resuming from' line:\n{output[-3000:]}"
     epoch, samples, epoch_samples = map(int, resumes[-1].groups())
-    global_batch = int(re.findall(r"global batch (\d+) ", output[:resumes[-1].start()])[-1])
-    after = output[resumes[-1].end():]
+    global_batch = int(re.findall(r"global batch (\d+) ", output[: resumes[-1].start()])[-1])
+    after = output[resumes[-1].end() :]
     progress = PROGRESS.findall(after)
     assert progress, f"no progress line after the resume:\n{after[-3000:]}"
     epochs, steps_per_epoch = int(progress[-1][1]), int(progress[-1][3])
     done = epoch * steps_per_epoch - (epoch_samples - samples) // global_batch  # as the scripts count it
     assert step is None or done == step, f"resumed after step {done}, but the checkpoint was of step {step}"
     trained = progress_steps(after)
-    assert trained == list(range(done + 1, epochs * steps_per_epoch + 1)), \
+    assert trained == list(range(done + 1, epochs * steps_per_epoch + 1)), (
         f"resumed after step {done}, then trained steps {trained}:\n{after[-3000:]}"
+    )
     return trained
 
 
 def collectives_per_step(trace):  # as tools/profile_report.py reads a --profile run's trace.json
     import profile_report
+
     return profile_report.figures(json.loads(Path(trace).read_text()))["collectives_per_step"]
 
 

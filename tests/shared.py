@@ -1,6 +1,7 @@
 """The suite's session fixtures (loaded by conftest.py): tiny datasets, the hub cache, a copied-out folder, and the
 reference runs that tests of several modules compare with, each made once in the whole session even where xdist runs
 the modules in two workers (shared_run)."""
+
 import fcntl
 import json
 import os
@@ -12,8 +13,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, EXACT, FP16_CLIP, NAMED_WEIGHTS, REPO, deliver, finish, free_port, hub_env,
-                      job_env, ok, read_until, run, run_sh, start, start_sh, torchrun)
+from conftest import (
+    BF16,
+    DEFAULTS,
+    EXACT,
+    FP16_CLIP,
+    NAMED_WEIGHTS,
+    REPO,
+    deliver,
+    finish,
+    free_port,
+    hub_env,
+    job_env,
+    ok,
+    read_until,
+    run,
+    run_sh,
+    start,
+    start_sh,
+    torchrun,
+)
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -21,9 +40,11 @@ def make_dataset(root, counts, size=32, ext=".jpg"):
     """A class-folder dataset: class i is folder c<i> with counts[i] images, its own colours and stripes (a small
     network tells them apart), each image with seeded noise."""
     from PIL import Image
+
     file_format, root = Image.registered_extensions()[ext.lower()], Path(root)
-    y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
-                          indexing="ij")
+    y, x = torch.meshgrid(
+        torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32), indexing="ij"
+    )
     for label, count in enumerate(counts):
         (root / f"c{label}").mkdir(parents=True, exist_ok=True)
         colours = torch.Generator().manual_seed(1000 + label)
@@ -33,8 +54,11 @@ def make_dataset(root, counts, size=32, ext=".jpg"):
         for i in range(count):
             noise = 0.06 * torch.randn(3, size, size, generator=torch.Generator().manual_seed(label * 100_000 + i))
             image = ((clean + noise).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
-            Image.fromarray(image.numpy()).save(root / f"c{label}" / f"{i:04d}{ext}", format=file_format,
-                                                **({"quality": 95} if file_format == "JPEG" else {}))
+            Image.fromarray(image.numpy()).save(
+                root / f"c{label}" / f"{i:04d}{ext}",
+                format=file_format,
+                **({"quality": 95} if file_format == "JPEG" else {}),
+            )
     return root
 
 
@@ -50,12 +74,15 @@ def hub_cache(tmp_path_factory):
     """A TORCH_HOME whose hub cache holds seeded 1000-class "ImageNet weights" for resnet18 where torchvision reads
     ResNet18_Weights.IMAGENET1K_V1 from: --weights IMAGENET1K_V1 with no network. (TORCH_HOME, the state dict)."""
     import torchvision
+
     torch_home = tmp_path_factory.mktemp("torch_home")
     (torch_home / "hub" / "checkpoints").mkdir(parents=True)
     torch.manual_seed(1234)
     state = torchvision.models.resnet18(num_classes=1000).state_dict()
-    torch.save(state, torch_home / "hub" / "checkpoints" / torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
-               .rsplit("/", 1)[-1])
+    torch.save(
+        state,
+        torch_home / "hub" / "checkpoints" / torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url.rsplit("/", 1)[-1],
+    )
     return torch_home, state
 
 
@@ -63,6 +90,7 @@ def hub_cache(tmp_path_factory):
 def initial_weights():
     """The weights every script starts from on 3 classes: its seed 0, then builtin.resnet("resnet18", 3)."""
     import builtin
+
     torch.manual_seed(0)
     return builtin.resnet("resnet18", 3).state_dict()
 
@@ -97,8 +125,10 @@ def shared_run(tmp_path_factory, name, make):
 @pytest.fixture(scope="session")
 def default_ddp(tmp_path_factory, tiny_data):
     """bash run.sh ddp 2 with the defaults (loader workers, BatchNorm training), uninterrupted: its folder."""
+
     def make(folder):
         ok(run_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"))
+
     return shared_run(tmp_path_factory, "default_ddp", make)[0] / "run"
 
 
@@ -106,27 +136,59 @@ def default_ddp(tmp_path_factory, tiny_data):
 def default_amp(tmp_path_factory, tiny_data):
     """bash run.sh amp 2 with the defaults and bf16, clipped at FP16_CLIP as tests/test_gpu.py's fp16 run is: its
     folder, its output in stdout.txt there."""
+
     def make(folder):
-        amp = ok(run_sh("amp", 2, *DEFAULTS, *BF16, "--clip-grad", FP16_CLIP, "--data-path", tiny_data,
-                        "--output-dir", folder / "run"))
+        amp = ok(
+            run_sh(
+                "amp",
+                2,
+                *DEFAULTS,
+                *BF16,
+                "--clip-grad",
+                FP16_CLIP,
+                "--data-path",
+                tiny_data,
+                "--output-dir",
+                folder / "run",
+            )
+        )
         (folder / "run" / "stdout.txt").write_text(amp.stdout)
+
     return shared_run(tmp_path_factory, "default_amp", make)[0] / "run"
 
 
 @pytest.fixture(scope="session")
 def exact_single(tmp_path_factory, tiny_data, bare):
     """train_single.py (copied out), batch 16, EXACT: the reference of the --freeze runs of test_scale and test_fsdp."""
+
     def make(folder):
-        ok(run([sys.executable, "train_single.py", *EXACT, "--data-path", tiny_data, "-b", "16", "--output-dir",
-                folder], cwd=bare))
+        ok(
+            run(
+                [
+                    sys.executable,
+                    "train_single.py",
+                    *EXACT,
+                    "--data-path",
+                    tiny_data,
+                    "-b",
+                    "16",
+                    "--output-dir",
+                    folder,
+                ],
+                cwd=bare,
+            )
+        )
+
     return shared_run(tmp_path_factory, "exact_single", make)[0]
 
 
 @pytest.fixture(scope="session")
 def ddp_killed(tmp_path_factory, tiny_data):
     """bash run.sh ddp 2 EXACT -b 8, SIGKILLed mid-epoch: (its last.pt, which no test writes to, the checkpoint)."""
+
     def make(folder):
         kill_mid_epoch("ddp", [*EXACT, "--data-path", tiny_data, "-b", "8"], folder)
+
     folder, _ = shared_run(tmp_path_factory, "ddp_killed", make)
     return folder / "last.pt", torch.load(folder / "last.pt", weights_only=True)
 
@@ -134,8 +196,10 @@ def ddp_killed(tmp_path_factory, tiny_data):
 @pytest.fixture(scope="session")
 def fsdp_killed(tmp_path_factory, tiny_data):
     """bash run.sh fsdp 2 EXACT -b 8, SIGKILLed mid-epoch: (its folder, which no test writes to, the checkpoint)."""
+
     def make(folder):
         kill_mid_epoch("fsdp", [*EXACT, "--data-path", tiny_data, "-b", "8"], folder)
+
     folder, _ = shared_run(tmp_path_factory, "fsdp_killed", make)
     return folder, torch.load(folder / "last.pt", weights_only=True)
 
@@ -144,12 +208,36 @@ def fsdp_killed(tmp_path_factory, tiny_data):
 def fsdp_references(tmp_path_factory, tiny_data, bare):
     """train_fsdp.py, 2 processes x batch 8, EXACT (folder/fsdp, its stdout), and bash run.sh fsdp 2 with the
     defaults, BatchNorm training, every warning shown (folder/bn, its stderr)."""
+
     def make(folder):
-        fsdp = ok(torchrun(2, "train_fsdp.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir",
-                           folder / "fsdp", cwd=bare))
-        bn = ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "bn",
-                       env=job_env(PYTHONWARNINGS="default")))
+        fsdp = ok(
+            torchrun(
+                2,
+                "train_fsdp.py",
+                *EXACT,
+                "--data-path",
+                tiny_data,
+                "-b",
+                "8",
+                "--output-dir",
+                folder / "fsdp",
+                cwd=bare,
+            )
+        )
+        bn = ok(
+            run_sh(
+                "fsdp",
+                2,
+                *DEFAULTS,
+                "--data-path",
+                tiny_data,
+                "--output-dir",
+                folder / "bn",
+                env=job_env(PYTHONWARNINGS="default"),
+            )
+        )
         return fsdp.stdout, bn.stderr
+
     folder, (stdout, stderr) = shared_run(tmp_path_factory, "fsdp_references", make)
     return {"dir": folder, "fsdp": stdout, "bn": folder / "bn", "bn_stderr": stderr}
 
@@ -159,16 +247,40 @@ def amp_run(tmp_path_factory, tiny_data, bare, hub_cache):
     """train_ddp_amp.py (bf16 autocast), 2 processes x batch 8, NAMED_WEIGHTS, --save-every 2: test_ddp's amp tests and
     test_compile's eager run. Its checkpoint when step 3 of epoch 1 is logged is copied while the job is paused
     (copy_while_paused), for test_compile to resume compiled. {"dir", "stdout", "paused": the copy's folder}."""
+
     def make(folder):
-        job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            "train_ddp_amp.py", *NAMED_WEIGHTS, *BF16, "--data-path", tiny_data, "-b", "8",
-                            "--save-every", "2", "--output-dir", folder / "run"], cwd=bare, env=hub_env(hub_cache),
-                           timeout=150), []
+        job, lines = (
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    "train_ddp_amp.py",
+                    *NAMED_WEIGHTS,
+                    *BF16,
+                    "--data-path",
+                    tiny_data,
+                    "-b",
+                    "8",
+                    "--save-every",
+                    "2",
+                    "--output-dir",
+                    folder / "run",
+                ],
+                cwd=bare,
+                env=hub_env(hub_cache),
+                timeout=150,
+            ),
+            [],
+        )
         if read_until(job, lines, "epoch 1/2  step 3/3"):
             copy_while_paused(job, folder / "run", folder / "paused")
         output = finish(job, lines, timeout=150)
         assert job.returncode == 0 and (folder / "paused").is_dir(), output[-3000:]
         return output
+
     folder, stdout = shared_run(tmp_path_factory, "amp_run", make)
     return {"dir": folder / "run", "stdout": stdout, "paused": folder / "paused"}
 
@@ -181,23 +293,48 @@ def evaluations(tmp_path_factory, default_ddp, default_amp, tiny_data, bare):
     "torchrun": train_ddp_torchrun.py, 3 processes; "amp": train_ddp_amp.py, 2 processes, of default_amp's last.pt.
     (train_single.py's evaluation equals DDP's: test_ddp.py's ladder runs.)"""
     alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    cases = {"alone": (["train_ddp_launch.py", "--local_rank=0"], default_ddp),
-             "launch": (["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2",
-                         "train_ddp_launch.py"], default_ddp),
-             "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                           "train_ddp_torchrun.py"], default_ddp),
-             "amp": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ddp_amp.py"],
-                     default_amp)}
+    cases = {
+        "alone": (["train_ddp_launch.py", "--local_rank=0"], default_ddp),
+        "launch": (
+            ["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2", "train_ddp_launch.py"],
+            default_ddp,
+        ),
+        "torchrun": (
+            ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "train_ddp_torchrun.py"],
+            default_ddp,
+        ),
+        "amp": (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ddp_amp.py"], default_amp),
+    }
 
     def make(folder):
         results = {}
         for name, (started_as, run_dir) in cases.items():
             env = job_env(**alone, MASTER_PORT=str(free_port())) if name == "alone" else job_env()
-            ok(run([sys.executable, *started_as, "--test-only", "--resume", run_dir / "last.pt",
-                    "--data-path", tiny_data, "--img-size", "32", "--val-fraction", "0.25",
-                    *(BF16 if name == "amp" else []), "--output-dir", folder / name], cwd=bare, env=env))
+            ok(
+                run(
+                    [
+                        sys.executable,
+                        *started_as,
+                        "--test-only",
+                        "--resume",
+                        run_dir / "last.pt",
+                        "--data-path",
+                        tiny_data,
+                        "--img-size",
+                        "32",
+                        "--val-fraction",
+                        "0.25",
+                        *(BF16 if name == "amp" else []),
+                        "--output-dir",
+                        folder / name,
+                    ],
+                    cwd=bare,
+                    env=env,
+                )
+            )
             results[name] = json.loads((folder / name / "results.json").read_text())
         return results
+
     return shared_run(tmp_path_factory, "evaluations", make)[1]
 
 

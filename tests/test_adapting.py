@@ -29,6 +29,7 @@ In this process: each copy's own datasets pass its item check (utils.check_datas
 float64 input, a uint8 image channels last and a target of another task each end in one line (utils.split_outputs:
 tests/test_helpers.py).
 """
+
 import importlib.util
 import json
 import math
@@ -42,8 +43,19 @@ import pytest
 import torch
 
 import utils
-from conftest import (BF16, REPO, assert_resumed_after, assert_same_weights, deliver, finish, load_model_state, ok,
-                      read_until, run, start)
+from conftest import (
+    BF16,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    deliver,
+    finish,
+    load_model_state,
+    ok,
+    read_until,
+    run,
+    start,
+)
 
 # ------------------------------------------------------------------------------------------ the users' blocks
 HEADER = '''# ------------------------------------------------------------------------------------------------ your task
@@ -387,16 +399,22 @@ TASKS = {
     # (exact match 0.79-0.85, chance 1/16)
     "multilabel": dict(code=MULTILABEL, args=["--lr", "4"], best="f1", higher=True, threshold=0.85, float_sums=()),
     # every pixel predicted background: mIoU ~0.25; measured 0.92 (pixel accuracy 0.99)
-    "segmentation": dict(code=SEGMENTATION, args=["--lr", "4"], best="miou", higher=True, threshold=0.8,
-                         float_sums=()),
+    "segmentation": dict(code=SEGMENTATION, args=["--lr", "4"], best="miou", higher=True, threshold=0.8, float_sums=()),
     # the targets' means predicted: MSE 0.2 (variances 1/3 and 0.0675); measured 0.004-0.005
-    "regression": dict(code=REGRESSION, args=["--lr", "1"], best="mse", higher=False, threshold=0.02,
-                       float_sums=("mse", "mse_brightness", "mse_contrast")),
+    "regression": dict(
+        code=REGRESSION,
+        args=["--lr", "1"],
+        best="mse",
+        higher=False,
+        threshold=0.02,
+        float_sums=("mse", "mse_brightness", "mse_contrast"),
+    ),
     # 3 classes: 1/3; measured 1.0 (fp32 and bf16). AdamW's LR per 256 samples raised for 36 steps at batch 16 (its
     # default 5e-4 reached 0.66). This task is easy: SGD at its default LR learns it too (1.0 in train_single.py); the
     # test proves a ViT trains with --opt adamw through the copies, not that SGD fails on harder data
-    "vit": dict(code=VIT, args=["--opt", "adamw", "--lr", "0.05"], best="acc", higher=True, threshold=0.9,
-                float_sums=()),
+    "vit": dict(
+        code=VIT, args=["--opt", "adamw", "--lr", "0.05"], best="acc", higher=True, threshold=0.9, float_sums=()
+    ),
 }
 
 
@@ -415,14 +433,20 @@ def users_block(task):
 
 # ------------------------------------------------------------------------------------------- the copied rungs
 # the user's own hook, right after the DDP wrap
-HOOK = ("    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook\n"
-        "    model.register_comm_hook(None, fp16_compress_hook)\n")
+HOOK = (
+    "    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook\n"
+    "    model.register_comm_hook(None, fp16_compress_hook)\n"
+)
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 RUNGS = {  # rung: (script, how it is started, its batch, whether it saves on the stop signal itself)
     "single": ("train_single.py", [], "16", False),
     "dp": ("train_dp.py", [], "16", False),
-    "launch": ("train_ddp_launch.py", ["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2"], "8",
-               False),
+    "launch": (
+        "train_ddp_launch.py",
+        ["-m", "torch.distributed.launch", "--standalone", "--nproc-per-node=2"],
+        "8",
+        False,
+    ),
     "torchrun": ("train_ddp_torchrun.py", TORCHRUN, "8", True),
     "amp": ("train_ddp_amp.py", TORCHRUN, "8", True),
     "fsdp": ("train_fsdp.py", TORCHRUN, "8", True),
@@ -457,8 +481,17 @@ def users_project(folder, rung, task):
 
 def command(rung, task, *args):
     script, launcher, batch, _ = RUNGS[rung]
-    return [sys.executable, *launcher, script, *ARGS, "-b", batch, *TASKS[task]["args"],
-            *(BF16 if rung == "amp" else []), *args]
+    return [
+        sys.executable,
+        *launcher,
+        script,
+        *ARGS,
+        "-b",
+        batch,
+        *TASKS[task]["args"],
+        *(BF16 if rung == "amp" else []),
+        *args,
+    ]
 
 
 def learned(task, value):
@@ -490,8 +523,9 @@ class Runs:
             assert "Traceback" not in whole.stderr, whole.stderr[-3000:]
             assert "loader workers per process: 1;" in whole.stdout  # the default on a CPU, shown in the header
             # each epoch's line shows the metric; best_<metric> is the highest, or the lowest (higher_is_better)
-            epochs = re.findall(rf"^epoch \d/3  val loss \d\.\d{{4}}  .*\b{best} (\d+\.\d{{4}}) .*\(47 samples\)",
-                                whole.stdout, re.M)
+            epochs = re.findall(
+                rf"^epoch \d/3  val loss \d\.\d{{4}}  .*\b{best} (\d+\.\d{{4}}) .*\(47 samples\)", whole.stdout, re.M
+            )
             assert len(epochs) == 3, whole.stdout[-2000:]
             best_epoch = (max if TASKS[task]["higher"] else min)(epochs, key=float)
             assert f"{results[f'best_{best}']:.4f}" == best_epoch, (epochs, results)
@@ -528,14 +562,19 @@ def assert_same_figures(found, expected, task):
     figures = sorted(key for key in expected if key.startswith("val_"))
     assert sorted(key for key in found if key.startswith("val_")) == figures
     for key in figures:
-        if key == "val_loss" or key[len("val_"):] in TASKS[task]["float_sums"]:
+        if key == "val_loss" or key[len("val_") :] in TASKS[task]["float_sums"]:
             assert math.isclose(found[key], expected[key], rel_tol=1e-6), (key, found[key], expected[key])
         else:
             assert found[key] == expected[key], (key, found[key], expected[key])
 
 
 CASES = [("torchrun", task) for task in TASKS] + [
-    ("single", "regression"), ("dp", "multilabel"), ("launch", "segmentation"), ("amp", "vit"), ("fsdp", "multilabel")]
+    ("single", "regression"),
+    ("dp", "multilabel"),
+    ("launch", "segmentation"),
+    ("amp", "vit"),
+    ("fsdp", "multilabel"),
+]
 
 
 @pytest.mark.parametrize("rung,task", CASES, ids=[f"{rung}-{task}" for rung, task in CASES])
@@ -552,9 +591,26 @@ def test_a_users_task_learns_resumes_bitwise_and_evaluates_alike(rung, task, run
     if rung != "torchrun":
         return
     for processes in (1, 3):  # the 2-process run's checkpoint, evaluated by 1 and by 3 processes
-        ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-                RUNGS[rung][0], "-b", "8", "--test-only", "--resume", whole / "last.pt", "--output-dir",
-                f"test{processes}"], cwd=project))
+        ok(
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={processes}",
+                    RUNGS[rung][0],
+                    "-b",
+                    "8",
+                    "--test-only",
+                    "--resume",
+                    whole / "last.pt",
+                    "--output-dir",
+                    f"test{processes}",
+                ],
+                cwd=project,
+            )
+        )
         assert_same_figures(json.loads((project / f"test{processes}" / "results.json").read_text()), results, task)
 
 
@@ -572,8 +628,9 @@ class One(torch.utils.data.Dataset):
 
 def copied_rung(runs, task):
     """The torchrun copy's script for `task`, imported here (its `utils` is this process's: the same file)."""
-    spec = importlib.util.spec_from_file_location(f"copied_{task}", runs.project("torchrun", task) /
-                                                  RUNGS["torchrun"][0])
+    spec = importlib.util.spec_from_file_location(
+        f"copied_{task}", runs.project("torchrun", task) / RUNGS["torchrun"][0]
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -597,15 +654,21 @@ def test_a_copys_item_check_names_a_users_slips_in_one_line(task, runs):
     utils.check_datasets(train_set, val_set, names, copy.target_problem)
     image, target = train_set[0]
     as_numpy = torch.from_numpy(numpy.random.default_rng(0).random((3, 16, 16)))
-    slips = (((as_numpy, target), "(float64 input, ...): give float32, e.g. torch.from_numpy(array).float()"),
-             ((torch.zeros(16, 16, 3, dtype=torch.uint8), target), "(uint8 image of shape (16, 16, 3), ...): channels "
-              "last (H, W, C); give (C, H, W), e.g. torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)"),
-             ((image, WRONG_TARGETS[task][0]), f"(input, {WRONG_TARGETS[task][1]}"))
+    slips = (
+        ((as_numpy, target), "(float64 input, ...): give float32, e.g. torch.from_numpy(array).float()"),
+        (
+            (torch.zeros(16, 16, 3, dtype=torch.uint8), target),
+            "(uint8 image of shape (16, 16, 3), ...): channels "
+            "last (H, W, C); give (C, H, W), e.g. torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)",
+        ),
+        ((image, WRONG_TARGETS[task][0]), f"(input, {WRONG_TARGETS[task][1]}"),
+    )
     for item, words in slips:
         assert (utils.item_problem(item) is None) == (item[0] is image)  # the input's check, then the target's
         with pytest.raises(utils.UsageError) as refused:
             utils.check_datasets(One(item), val_set, names, copy.target_problem)
         line = str(refused.value)
-        assert line.startswith(f"the training set's items must be (input tensor, target) pairs; its first is {words}") \
-            and "\n" not in line, line
-
+        assert (
+            line.startswith(f"the training set's items must be (input tensor, target) pairs; its first is {words}")
+            and "\n" not in line
+        ), line

@@ -2,6 +2,7 @@
 under torchrun with 1 process): runs end to end and writes a complete bench.json, every training row and the limit
 timed the same way. No speed is asserted (the machine may be shared). (The all-reduce counts of accumulation are
 proven by tests/test_ddp.py, from --profile.)"""
+
 import json
 import math
 import sys
@@ -11,9 +12,24 @@ from conftest import REPO, cpu_env, run
 sys.path.insert(0, str(REPO))
 import dist_utils  # noqa: E402
 
-FIGURES = ["compute_limit_img_s", "single_img_s", "single_ratio", "ddp_img_s", "ddp_ratio", "accum_img_s",
-           "accum_speedup", "first_step_s", "import_s", "startup_s", "loader_img_s", "textbook_loader_img_s",
-           "loader_speedup", "photo_loader_img_s", "photo_textbook_loader_img_s", "photo_loader_speedup"]
+FIGURES = [
+    "compute_limit_img_s",
+    "single_img_s",
+    "single_ratio",
+    "ddp_img_s",
+    "ddp_ratio",
+    "accum_img_s",
+    "accum_speedup",
+    "first_step_s",
+    "import_s",
+    "startup_s",
+    "loader_img_s",
+    "textbook_loader_img_s",
+    "loader_speedup",
+    "photo_loader_img_s",
+    "photo_textbook_loader_img_s",
+    "photo_loader_speedup",
+]
 
 
 def test_tiny_bench_writes_every_figure(tmp_path):

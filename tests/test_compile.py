@@ -7,21 +7,32 @@ that it costs the same on a fresh machine as on a warm one. It resumes the eager
 (shared.amp_run: the same arguments without --compile, shared with test_ddp.py; its checkpoint copied while it
 ran) and must end where that run ended.
 """
+
 import shutil
 
 import torch
 import torchvision
 
-from conftest import (BF16, NAMED_WEIGHTS, assert_resumed_after, assert_same_weights, checkpoint_step, hub_env,
-                      load_model_state, ok, run_sh)
+from conftest import (
+    BF16,
+    NAMED_WEIGHTS,
+    assert_resumed_after,
+    assert_same_weights,
+    checkpoint_step,
+    hub_env,
+    load_model_state,
+    ok,
+    run_sh,
+)
 
 # bf16 autocast: inductor fuses and rounds differently from eager, and the head's weights end ~5e-5 apart after 3
 # steps (measured); a rank that skipped the all-reduce, or a step lost on resume, moves them by ~1e-3.
 TOL = 5e-4
 
 
-def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(amp_run, hub_cache, initial_weights, tiny_data,
-                                                                  tmp_path):
+def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(
+    amp_run, hub_cache, initial_weights, tiny_data, tmp_path
+):
     """The compiled model resumes a checkpoint (loaded into the plain module inside the compiled DDP wrapper), trains
     to the end within TOL of the eager run, and saves plain keys: a resnet18 loads them strictly, and so does the
     next --resume, compiled or not."""
@@ -30,8 +41,24 @@ def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(amp_run, hub_ca
     paused = amp_run["paused"]  # after step 2 of epoch 1, or after epoch 1
     checkpoint = torch.load(paused / "last.pt", weights_only=True)
     shutil.copytree(paused, tmp_path / "compiled")
-    resumed = ok(run_sh("amp", 2, *NAMED_WEIGHTS, *BF16, "-b", "8", "--data-path", tiny_data, "--compile", "--resume",
-                        "auto", "--output-dir", tmp_path / "compiled", env=env))
+    resumed = ok(
+        run_sh(
+            "amp",
+            2,
+            *NAMED_WEIGHTS,
+            *BF16,
+            "-b",
+            "8",
+            "--data-path",
+            tiny_data,
+            "--compile",
+            "--resume",
+            "auto",
+            "--output-dir",
+            tmp_path / "compiled",
+            env=env,
+        )
+    )
     assert compiled_kernels(cache), "--compile compiled nothing: the test's inductor cache is empty"
     assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 3))
 

@@ -6,6 +6,7 @@ process with batch W x B ends. Tolerance 1e-5: float32 sums in another order exp
 sampler, averaging or LR bug moves the weights by 1e-3 or more. Every run starts from torchvision's "ImageNet weights"
 by name (--weights IMAGENET1K_V1), read from the hub cache with no network (shared.hub_cache).
 """
+
 import json
 import os
 import shutil
@@ -15,8 +16,23 @@ import sys
 import pytest
 import torch
 
-from conftest import (BF16, NAMED_WEIGHTS, NO_NETWORK, REPO, assert_resumed_after, assert_same_weights,
-                      children, collectives_per_step, finish, load_model_state, ok, run, run_sh, start, torchrun)
+from conftest import (
+    BF16,
+    NAMED_WEIGHTS,
+    NO_NETWORK,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    children,
+    collectives_per_step,
+    finish,
+    load_model_state,
+    ok,
+    run,
+    run_sh,
+    start,
+    torchrun,
+)
 from shared import make_dataset
 
 TOL = 1e-5
@@ -45,8 +61,12 @@ def runs(tmp_path_factory, tiny_data, bare):
     out, data = tmp_path_factory.mktemp("ladder"), ["--data-path", tiny_data]
     runs = {"dir": out}
     for script in ("train_single.py", "train_dp.py"):
-        runs[script[6:-3]] = ok(run([sys.executable, script, *NAMED_WEIGHTS, *data, "-b", "16", "--output-dir",
-                                     out / script[6:-3]], cwd=bare))
+        runs[script[6:-3]] = ok(
+            run(
+                [sys.executable, script, *NAMED_WEIGHTS, *data, "-b", "16", "--output-dir", out / script[6:-3]],
+                cwd=bare,
+            )
+        )
     for mode, extra in (("launch", []), ("ddp", ["--save-every", "2"])):
         runs[mode] = ok(run_sh(mode, 2, *NAMED_WEIGHTS, *data, "-b", "8", *extra, "--output-dir", out / mode))
     return runs
@@ -58,8 +78,9 @@ def test_dp_on_cpu_runs_unwrapped_and_equals_single_exactly(runs):
     train_single.py: this proves the dp rung's own loop, LR and checkpoints, not DataParallel itself (which
     tests/test_gpu.py runs where 2 GPUs exist)."""
     assert "DataParallel needs 2 or more GPUs: training unwrapped on cpu" in runs["dp"].stdout
-    assert_same_weights(load_model_state(runs["dir"] / "dp" / "last.pt"),
-                        load_model_state(runs["dir"] / "single" / "last.pt"))
+    assert_same_weights(
+        load_model_state(runs["dir"] / "dp" / "last.pt"), load_model_state(runs["dir"] / "single" / "last.pt")
+    )
 
 
 @pytest.mark.quick
@@ -67,8 +88,9 @@ def test_dp_on_cpu_runs_unwrapped_and_equals_single_exactly(runs):
 def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     out = runs["dir"]
     assert "global batch 16 = 8 per process x 2 processes" in runs[name].stdout
-    assert_same_weights(load_model_state(out / name / "last.pt"), load_model_state(out / "single" / "last.pt"),
-                        atol=TOL)
+    assert_same_weights(
+        load_model_state(out / name / "last.pt"), load_model_state(out / "single" / "last.pt"), atol=TOL
+    )
     # Only global rank 0 prints: one progress line per step (3 steps x 2 epochs), not one per rank
     assert runs[name].stdout.count("epoch 2/2  step 3/3") == 1
     assert results(out / name)["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
@@ -82,8 +104,10 @@ def test_named_weights_are_read_from_the_hub_cache_on_every_rank(runs, hub_cache
     initial = initial_weights  # the new head starts as this model's
     for name in ("single", "dp", "launch", "ddp"):
         trained = load_model_state(runs["dir"] / name / "last.pt")
-        assert_same_weights({k: trained[k] for k in pretrained if not k.startswith("fc.")},
-                            {k: v for k, v in pretrained.items() if not k.startswith("fc.")})
+        assert_same_weights(
+            {k: trained[k] for k in pretrained if not k.startswith("fc.")},
+            {k: v for k, v in pretrained.items() if not k.startswith("fc.")},
+        )
         assert trained["fc.weight"].shape == (3, 512)
         assert (trained["fc.weight"] - initial["fc.weight"]).abs().max() > 1e-3, f"{name}: the head did not train"
 
@@ -107,11 +131,30 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_p
     6 steps an epoch, and no progress line or evaluation in the profiled steps 4 and 5."""
     out = tmp_path
     for name, batch, accum in (("plain", 4, 1), ("accum", 2, 2)):
-        proc = ok(torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps",
-                           accum, "--sync-bn", "--print-freq", "10", "--profile", "2", "--output-dir", out / name,
-                           cwd=bare))
-    assert_same_weights(load_model_state(out / "accum" / "last.pt"), load_model_state(out / "plain" / "last.pt"),
-                        atol=TOL)
+        proc = ok(
+            torchrun(
+                2,
+                "train_ddp_torchrun.py",
+                *COMMON,
+                "--data-path",
+                tiny_data,
+                "-b",
+                batch,
+                "--accum-steps",
+                accum,
+                "--sync-bn",
+                "--print-freq",
+                "10",
+                "--profile",
+                "2",
+                "--output-dir",
+                out / name,
+                cwd=bare,
+            )
+        )
+    assert_same_weights(
+        load_model_state(out / "accum" / "last.pt"), load_model_state(out / "plain" / "last.pt"), atol=TOL
+    )
     plain, accum = (collectives_per_step(out / name / "trace.json") for name in ("plain", "accum"))
     assert accum["allreduce"] == plain["allreduce"] == 1, (plain, accum)  # --freeze: the head's bucket only
     # --sync-bn on CPU: one warning, then per-process BatchNorm
@@ -121,8 +164,20 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_p
 def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
     """torchrun --max-restarts=1; SIGKILL one worker once `kill_after` is printed. Returns (stdout, exit code, the
     pid killed). Every process of the job is killed at the latest 240 s after the start (the watchdog)."""
-    proc = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "--max-restarts=1", script, *args], cwd=cwd, timeout=240)
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            script,
+            *args,
+        ],
+        cwd=cwd,
+        timeout=240,
+    )
     lines, killed = [], None
     for line in proc.stdout:
         lines.append(line)
@@ -136,15 +191,23 @@ def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(amp_run, ti
     """The amp rung (the torchrun rung's: tests/test_preemption.py, with loader workers, and tests/test_fsdp.py's)."""
     args = [*COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every", "2"]
     reference = amp_run["dir"]
-    stdout, code, killed = run_and_kill_one_worker(bare, "train_ddp_amp.py", [*args, "--output-dir",
-                                                                              tmp_path / "killed"],
-                                                   kill_after="epoch 1/2  step 3/3", victim=-1)
+    stdout, code, killed = run_and_kill_one_worker(
+        bare,
+        "train_ddp_amp.py",
+        [*args, "--output-dir", tmp_path / "killed"],
+        kill_after="epoch 1/2  step 3/3",
+        victim=-1,
+    )
     assert killed, "the run ended before a worker could be killed"
     assert code == 0, stdout[-4000:]
     # The step-2 checkpoint was written before step 3 was logged; the epoch-end one may have been too
     resumed = stdout.split("resuming from")[1].splitlines()[0]
-    assert resumed.endswith(("epoch 1 after 32 of its 50 samples (at global batch 16)",
-                             "epoch 2 after 0 of its 50 samples (at global batch 16)")), resumed
+    assert resumed.endswith(
+        (
+            "epoch 1 after 32 of its 50 samples (at global batch 16)",
+            "epoch 2 after 0 of its 50 samples (at global batch 16)",
+        )
+    ), resumed
     # the restarted group trained from the step after that checkpoint, not again from step 1
     assert stdout.count("epoch 1/2  step 1/3") == 1 and assert_resumed_after(stdout)[0] in (3, 4), stdout[-4000:]
     assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), load_model_state(reference / "last.pt"))
@@ -178,8 +241,23 @@ def test_clip_grad_bounds_each_step(amp_run, initial_weights, tiny_data, bare, t
     """--clip-grad small enough to clip every step (CLIP) bounds how far the head moves (with --freeze only the head
     trains); unclipped (the amp run above) it moves more than ten times as far."""
     clip = CLIP
-    proc = ok(torchrun(2, "train_ddp_amp.py", *COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--clip-grad", clip,
-                       "--output-dir", tmp_path / "clipped", cwd=bare))
+    proc = ok(
+        torchrun(
+            2,
+            "train_ddp_amp.py",
+            *COMMON,
+            *BF16,
+            "--data-path",
+            tiny_data,
+            "-b",
+            "8",
+            "--clip-grad",
+            clip,
+            "--output-dir",
+            tmp_path / "clipped",
+            cwd=bare,
+        )
+    )
     initial = initial_weights  # where the head starts
     moved = {}
     for name, folder in (("clipped", tmp_path / "clipped"), ("unclipped", amp_run["dir"])):
@@ -204,40 +282,93 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     dicts, unused = (users_copy(tmp_path / name, code) for name, code in (("dicts", DICT_ITEMS), ("unused", UNUSED)))
     # each job fails within seconds, mostly starting up
     dict_items = torchrun(2, "train_ddp_torchrun.py", "--epochs", "1", "--output-dir", "out", cwd=dicts, timeout=120)
-    unused_layer = torchrun(2, "train_ddp_torchrun.py", "--epochs", "1", "-b", "8", "--output-dir", "out", cwd=unused,
-                            timeout=120)
+    unused_layer = torchrun(
+        2, "train_ddp_torchrun.py", "--epochs", "1", "-b", "8", "--output-dir", "out", cwd=unused, timeout=120
+    )
     # (a device this machine lacks, as every rank finds it: "--device cuda:1" where no GPU is visible)
-    late = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
-                "bash", late_rank_0, "train_ddp_torchrun.py", "--device", "cuda:1", "--data-path", tiny_data],
-               cwd=bare, timeout=120)
+    late = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--no-python",
+            "bash",
+            late_rank_0,
+            "train_ddp_torchrun.py",
+            "--device",
+            "cuda:1",
+            "--data-path",
+            tiny_data,
+        ],
+        cwd=bare,
+        timeout=120,
+    )
     # Named weights missing from the cache, no network: local rank 0 tries the download and reports it; rank 1 waits
-    no_network = torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", tiny_data, "--model", "resnet34",
-                          "--weights", "DEFAULT", "-b", "4", "--output-dir", tmp_path / "no_network", cwd=bare,
-                          timeout=120)
-    unreadable = torchrun(2, "train_ddp_torchrun.py", *COMMON, "--data-path", data, "-b", "4", "--output-dir",
-                          tmp_path / "out", cwd=bare, timeout=120)
+    no_network = torchrun(
+        2,
+        "train_ddp_torchrun.py",
+        *COMMON,
+        "--data-path",
+        tiny_data,
+        "--model",
+        "resnet34",
+        "--weights",
+        "DEFAULT",
+        "-b",
+        "4",
+        "--output-dir",
+        tmp_path / "no_network",
+        cwd=bare,
+        timeout=120,
+    )
+    unreadable = torchrun(
+        2,
+        "train_ddp_torchrun.py",
+        *COMMON,
+        "--data-path",
+        data,
+        "-b",
+        "4",
+        "--output-dir",
+        tmp_path / "out",
+        cwd=bare,
+        timeout=120,
+    )
 
     assert late.returncode != 0
     errors = [line for line in (late.stdout + late.stderr).splitlines() if line.startswith("error:")]
-    assert errors == ["error: --device cuda:1: this machine has no usable cuda GPU; use --device cpu"], \
-        late.stderr[-2000:]
+    assert errors == ["error: --device cuda:1: this machine has no usable cuda GPU; use --device cpu"], late.stderr[
+        -2000:
+    ]
 
     errors = [line for line in (no_network.stdout + no_network.stderr).splitlines() if line.startswith("error:")]
     assert no_network.returncode != 0 and len(errors) == 1, no_network.stderr[-2000:]
-    assert "cannot download" in errors[0] and f"put that file at {os.environ['TORCH_HOME']}/hub/checkpoints/resnet34-" \
-        in errors[0], errors
+    assert (
+        "cannot download" in errors[0]
+        and f"put that file at {os.environ['TORCH_HOME']}/hub/checkpoints/resnet34-" in errors[0]
+    ), errors
 
     assert unreadable.returncode != 0
     errors = [line for line in (unreadable.stdout + unreadable.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "0003.jpg" in errors[0], unreadable.stderr[-3000:]
     assert "Traceback" not in unreadable.stdout
 
-    for proc, line in ((dict_items, "error: the training set's items must be (input tensor, target) pairs; its "
-                                    "first is a dict with keys 'image', 'label': return (item[input key], "
-                                    "item[target key])"),
-                       (unused_layer, "error: some parameters got no gradient in the last step (2 3): the model holds "
-                                      "a module that forward() does not use; remove it, or pass "
-                                      "find_unused_parameters=True in the DDP(...) line (docs/troubleshooting.md)")):
+    for proc, line in (
+        (
+            dict_items,
+            "error: the training set's items must be (input tensor, target) pairs; its "
+            "first is a dict with keys 'image', 'label': return (item[input key], "
+            "item[target key])",
+        ),
+        (
+            unused_layer,
+            "error: some parameters got no gradient in the last step (2 3): the model holds "
+            "a module that forward() does not use; remove it, or pass "
+            "find_unused_parameters=True in the DDP(...) line (docs/troubleshooting.md)",
+        ),
+    ):
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
         assert proc.returncode != 0 and errors == [line], proc.stderr[-3000:]
         assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]  # torchrun's own report, after the line

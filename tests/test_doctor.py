@@ -4,6 +4,7 @@ One full run (about 10 s on a quiet 2-core machine) is shared by the tests of it
 adds a shorter run without the all-reduce. Like every CPU test, these hide the GPUs from what they start
 (conftest.cpu_env): on a GPU machine too, the doctor reports a machine without CUDA, and gpucheck dry-runs.
 """
+
 import json
 import math
 import re
@@ -21,8 +22,9 @@ LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
 def run_doctor(*args, env=None, timeout=120):
     """bash run.sh doctor *args from the repository root, with PYTHON=this interpreter; the CompletedProcess."""
     base = {k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return run(["bash", "run.sh", "doctor", *args], timeout=timeout,
-               env={**base, "PYTHON": sys.executable, **(env or {})})
+    return run(
+        ["bash", "run.sh", "doctor", *args], timeout=timeout, env={**base, "PYTHON": sys.executable, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,7 @@ def test_exits_zero_with_one_aligned_line_per_check(doctor_run):
 def test_reports_the_versions(doctor_run):
     _, lines, data = doctor_run
     from importlib.metadata import version  # importing torchvision here would cost seconds
+
     # Python before the fork fix of python/cpython#112275 (3.11.10, 3.10.15, ...) is a warning, with its issue
     fixed = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
     status = "warn" if sys.version_info[2] < fixed.get(sys.version_info[:2], 0) else "ok"
@@ -87,8 +90,11 @@ def test_gpu_checks_are_skipped_on_a_cpu_machine(doctor_run):
 def test_gloo_allreduce_measures_latency_and_bandwidth(doctor_run):
     _, lines, data = doctor_run
     line = line_of(lines, r"all-reduce")
-    match = re.match(r"^ok +all-reduce gloo, 2 processes: latency ([\d.]+) us \(8 B\), busbw ([\d.]+) GB/s "
-                     r"\(algbw ([\d.]+) GB/s, 64 MiB\)$", line)
+    match = re.match(
+        r"^ok +all-reduce gloo, 2 processes: latency ([\d.]+) us \(8 B\), busbw ([\d.]+) GB/s "
+        r"\(algbw ([\d.]+) GB/s, 64 MiB\)$",
+        line,
+    )
     assert match, line
     latency, busbw, algbw = map(float, match.groups())
     assert latency > 0 and busbw > 0 and algbw > 0 and busbw == algbw  # 2(n-1)/n = 1 for 2 processes
@@ -132,15 +138,19 @@ def test_a_broken_torchvision_is_its_one_failure(tmp_path):
     lines = result.stdout.splitlines()
     assert result.returncode == 1, result.stdout + result.stderr
     failed = [line for line in lines if line.startswith("fail")]
-    assert failed == ["fail  torchvision does not import (ImportError: built for another torch); pip install -r "
-                      "requirements.txt"], lines
+    assert failed == [
+        "fail  torchvision does not import (ImportError: built for another torch); pip install -r requirements.txt"
+    ], lines
     assert line_of(lines, r"CPU bf16: ").startswith(("ok    CPU bf16: ", "warn  CPU bf16: "))
 
 
 def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
     report = tmp_path / "report.txt"
-    result = run(["bash", "run.sh", "gpucheck", "--report", report], timeout=120,
-                 env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")})
+    result = run(
+        ["bash", "run.sh", "gpucheck", "--report", report],
+        timeout=120,
+        env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     skipped = "CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine"
     assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
@@ -150,5 +160,8 @@ def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(
     assert "(budget 420 s)" in result.stdout
     assert "what this proves: nothing about GPUs (no CUDA GPU here" in result.stdout  # said plainly
     import gpucheck  # on a GPU, what one GPU cannot prove is said too
-    assert any("what one GPU cannot prove: NCCL between ranks" in line for line in
-               gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)]))
+
+    assert any(
+        "what one GPU cannot prove: NCCL between ranks" in line
+        for line in gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)])
+    )

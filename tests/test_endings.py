@@ -2,14 +2,32 @@
 would run different numbers of batches, a sharded save at a step number that was saved before, a mixed-precision
 resume from another rung's checkpoint, and the teardown of the FSDP process group. Real processes, the defaults.
 """
+
 import shutil
 import signal
 import sys
 
 import torch
 
-from conftest import (BF16, DEFAULTS, EXACT, REPO, assert_gone, assert_job_gone, assert_same_weights, descendants,
-                      finish, free_port, load_model_state, ok, read_until, run, start, start_sh, torchrun)
+from conftest import (
+    BF16,
+    DEFAULTS,
+    EXACT,
+    REPO,
+    assert_gone,
+    assert_job_gone,
+    assert_same_weights,
+    descendants,
+    finish,
+    free_port,
+    load_model_state,
+    ok,
+    read_until,
+    run,
+    start,
+    start_sh,
+    torchrun,
+)
 
 
 def test_images_that_disappear_mid_run_end_the_job_within_seconds(tiny_data, tmp_path):
@@ -40,9 +58,27 @@ def test_an_error_after_the_loader_workers_started_leaves_no_process_once_torchr
     to 5 s, and whatever read its output waited for them)."""
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "train_ddp_torchrun.py", *DEFAULTS, "--data-path", tiny_data, "--resume", bad,
-                        "--output-dir", tmp_path / "run"], timeout=120), []
+    job, lines = (
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "train_ddp_torchrun.py",
+                *DEFAULTS,
+                "--data-path",
+                tiny_data,
+                "--resume",
+                bad,
+                "--output-dir",
+                tmp_path / "run",
+            ],
+            timeout=120,
+        ),
+        [],
+    )
     try:
         job.wait(timeout=120)  # torchrun's own end, not its output's
         assert_job_gone(job.token, within=0)
@@ -62,15 +98,33 @@ def test_launch_resume_whose_ranks_have_uneven_batches_runs_the_same_steps(ddp_k
     args = [*EXACT, "--data-path", tiny_data]
     saved, checkpoint = ddp_killed
     launchers = {"launch": "torch.distributed.launch", "torchrun": "torch.distributed.run"}
-    resumed = {name: ok(torchrun(3, f"train_ddp_{name}.py", *args, "-b", "1", "--resume", saved, "--output-dir",
-                                 tmp_path / name, launcher=launcher)) for name, launcher in launchers.items()}
+    resumed = {
+        name: ok(
+            torchrun(
+                3,
+                f"train_ddp_{name}.py",
+                *args,
+                "-b",
+                "1",
+                "--resume",
+                saved,
+                "--output-dir",
+                tmp_path / name,
+                launcher=launcher,
+            )
+        )
+        for name, launcher in launchers.items()
+    }
     steps_left = (48 - checkpoint["samples"]) // 3  # 16 samples per rank x 3 ranks are usable, 3 per step
     for proc in resumed.values():
         steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/2  step ")]
         assert len(steps) == steps_left, proc.stdout[-3000:]
     # (the torchrun rung's counting hook averages before the all-reduce: float rounding, ~4e-9 here)
-    assert_same_weights(load_model_state(tmp_path / "launch" / "last.pt"),
-                        load_model_state(tmp_path / "torchrun" / "last.pt"), atol=1e-6)
+    assert_same_weights(
+        load_model_state(tmp_path / "launch" / "last.pt"),
+        load_model_state(tmp_path / "torchrun" / "last.pt"),
+        atol=1e-6,
+    )
 
 
 def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fsdp_killed, tiny_data, tmp_path):
@@ -81,13 +135,27 @@ def test_fsdp_last_pt_names_the_shards_it_was_saved_with_after_steps_renumber(fs
     (--freeze: the head moves at every step, and a shard one step old holds another head.)"""
     import torch.distributed.checkpoint as dcp
     import torchvision
+
     args = [*EXACT, "--data-path", tiny_data]
     killed, checkpoint = fsdp_killed
     shutil.copytree(killed, tmp_path / "run")
     saved_step = checkpoint["samples"] // 16  # 2 processes x batch 8
     batch = {1: 26, 2: 18}[saved_step]  # 50 images: 1 step left of 1 per epoch, or of 2: it saves as step 1, or 2
-    resumed = ok(torchrun(1, "train_fsdp.py", *args, "--epochs", "1", "-b", batch, "--resume", "auto",
-                          "--output-dir", tmp_path / "run"))
+    resumed = ok(
+        torchrun(
+            1,
+            "train_fsdp.py",
+            *args,
+            "--epochs",
+            "1",
+            "-b",
+            batch,
+            "--resume",
+            "auto",
+            "--output-dir",
+            tmp_path / "run",
+        )
+    )
     assert resumed.stdout.count("  step ") == 1, resumed.stdout[-2000:]  # it trained before saving
     checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert checkpoint["optimizer"].startswith(f"last-step{saved_step}-"), checkpoint["optimizer"]
@@ -102,9 +170,31 @@ def test_amp_resumes_a_checkpoint_of_the_torchrun_rung_with_a_fresh_scaler(defau
     ending with KeyError: 'scaler', and saves what it trained when stopped (after its first step or two: bf16 is
     slow on a CPU without bf16 arithmetic)."""
     shutil.copytree(default_ddp, tmp_path / "run")
-    job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "train_ddp_amp.py", *DEFAULTS, *BF16, "--epochs", "3", "--workers", "0", "--data-path",
-                        tiny_data, "--resume", tmp_path / "run" / "last.pt", "--output-dir", tmp_path / "run"]), []
+    job, lines = (
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "train_ddp_amp.py",
+                *DEFAULTS,
+                *BF16,
+                "--epochs",
+                "3",
+                "--workers",
+                "0",
+                "--data-path",
+                tiny_data,
+                "--resume",
+                tmp_path / "run" / "last.pt",
+                "--output-dir",
+                tmp_path / "run",
+            ]
+        ),
+        [],
+    )
     if read_until(job, lines, "epoch 3/3  step 1/3"):
         job.send_signal(signal.SIGTERM)  # to torchrun, which passes it on
     output = finish(job, lines, timeout=120)

@@ -5,6 +5,7 @@ engine sets, started the engine's way. What each engine sets was read from its s
 
 Needs root, `ip netns` and `unshare` (skipped otherwise). Every process is bounded in time.
 """
+
 import os
 import re
 import shlex
@@ -16,8 +17,18 @@ import time
 
 import pytest
 
-from conftest import (DEFAULTS, REPO, assert_resumed_after, assert_same_weights, job_env,
-                      load_model_state, ranks, run, run_together, start)
+from conftest import (
+    DEFAULTS,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    job_env,
+    load_model_state,
+    ranks,
+    run,
+    run_together,
+    start,
+)
 from test_hosts import in_host, veth_pair
 from test_scale import end_all, read_lines
 
@@ -34,10 +45,14 @@ def pods(tmp_path_factory):
     each the names its engines resolve to it (a pod's own name, a Service's, a SLURM node's)."""
     with veth_pair("en", 78) as made:
         hosts_file = tmp_path_factory.mktemp("pods") / "hosts"
-        hosts_file.write_text("127.0.0.1 localhost\n" + "".join(  # (a pod's hosts file holds its own names)
-            f"{made[which][1]} resnet-{pytorchjob} resnet-elastic-worker-{n} resnet-node-0-{n}.resnet "
-            f"resnet-node-0-{n} node{n + 1}\n" for n, (which, pytorchjob) in enumerate((("a", "master-0"),
-                                                                                      ("b", "worker-0")))))
+        hosts_file.write_text(
+            "127.0.0.1 localhost\n"
+            + "".join(  # (a pod's hosts file holds its own names)
+                f"{made[which][1]} resnet-{pytorchjob} resnet-elastic-worker-{n} resnet-node-0-{n}.resnet "
+                f"resnet-node-0-{n} node{n + 1}\n"
+                for n, (which, pytorchjob) in enumerate((("a", "master-0"), ("b", "worker-0")))
+            )
+        )
         yield {**made, "hosts": hosts_file}
 
 
@@ -48,53 +63,100 @@ def pytorchjob_env(replica, index, nproc_per_node="auto", replicas=2):
     the pod's index (workers after the master), PET_* for torchrun; nprocPerNode defaults to "auto"."""
     rank = index + (replica == "worker")
     world_size = replicas * (int(nproc_per_node) if nproc_per_node.isdigit() else 1)
-    return {"MASTER_ADDR": "resnet-master-0", "MASTER_PORT": "23456", "PET_MASTER_ADDR": "resnet-master-0",
-            "PET_MASTER_PORT": "23456", "WORLD_SIZE": str(world_size), "RANK": str(rank), "PET_NODE_RANK": str(rank),
-            "PET_NPROC_PER_NODE": nproc_per_node, "PET_NNODES": str(replicas), "PYTHONUNBUFFERED": "1"}
+    return {
+        "MASTER_ADDR": "resnet-master-0",
+        "MASTER_PORT": "23456",
+        "PET_MASTER_ADDR": "resnet-master-0",
+        "PET_MASTER_PORT": "23456",
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "PET_NODE_RANK": str(rank),
+        "PET_NPROC_PER_NODE": nproc_per_node,
+        "PET_NNODES": str(replicas),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def elastic_env():
     """The same with elasticPolicy (elastic.go) and no Master: only PET_* (the endpoint is worker 0's Service) and,
     from the manifest's env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE."""
-    return {"PET_RDZV_ENDPOINT": "resnet-elastic-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:2",
-            "PET_MAX_RESTARTS": "1", "PET_NPROC_PER_NODE": "1", "PET_RDZV_ID": "resnet-elastic",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        "PET_RDZV_ENDPOINT": "resnet-elastic-worker-0:23456",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_NNODES": "1:2",
+        "PET_MAX_RESTARTS": "1",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_RDZV_ID": "resnet-elastic",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def trainjob_env(index):
     """Kubeflow Trainer v2, pkg/runtime/framework/plugins/torch (torch.go): five PET_* variables and nothing else
     (the master is node 0's pod, <job>-node-0-0.<job>, port 29500); TORCH_DISABLE_SHARE_RDZV_TCP_STORE is the
     manifest's trainer.env."""
-    return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(index),
-            "PET_MASTER_ADDR": "resnet-node-0-0.resnet", "PET_MASTER_PORT": "29500",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_NODE_RANK": str(index),
+        "PET_MASTER_ADDR": "resnet-node-0-0.resnet",
+        "PET_MASTER_PORT": "29500",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
 def srun_env(task):
     """What srun gives each task of `srun python` with --nodes=2 --ntasks-per-node=1 (src/common/env.c, srun(1))."""
-    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_STEP_NODELIST": "node[1-2]",
-            "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-            "SLURM_PROCID": str(task), "SLURM_LOCALID": "0", "SLURM_NODEID": str(task)}
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_PROCID": str(task),
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(task),
+    }
 
 
 def pod(pods, which, hostname, engine_env, command):
     """command in pod `which` ("a" or "b"), with its hostname, the shared hosts file, the engine's variables and the
     64 MB /dev/shm that a pod has unless a volume is mounted there."""
-    return in_host(pods[which], [*SMALL_SHM, "env", *(f"{k}={v}" for k, v in engine_env.items()), *command],
-                   hostname, pods["hosts"])
+    return in_host(
+        pods[which],
+        [*SMALL_SHM, "env", *(f"{k}={v}" for k, v in engine_env.items()), *command],
+        hostname,
+        pods["hosts"],
+    )
 
 
 def train(tmp_path, *extra):
-    return [SCRIPT, *DEFAULTS, *BOUNDED, "--data-path", str(extra[0]), "--output-dir", str(tmp_path / "run"),
-            "--resume", "auto", *extra[1:]]
+    return [
+        SCRIPT,
+        *DEFAULTS,
+        *BOUNDED,
+        "--data-path",
+        str(extra[0]),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--resume",
+        "auto",
+        *extra[1:],
+    ]
 
 
 # ------------------------------------------------------------------- each engine trains as one machine would
 ENGINES = {  # name: (pod a, pod b), each (hostname, environment, launcher)
-    "pytorchjob-torchrun": (("resnet-master-0", pytorchjob_env("master", 0, "1"), TORCHRUN),
-                            ("resnet-worker-0", pytorchjob_env("worker", 0, "1"), TORCHRUN)),
-    "pytorchjob-python": (("resnet-master-0", pytorchjob_env("master", 0), [sys.executable]),
-                          ("resnet-worker-0", pytorchjob_env("worker", 0), [sys.executable])),
+    "pytorchjob-torchrun": (
+        ("resnet-master-0", pytorchjob_env("master", 0, "1"), TORCHRUN),
+        ("resnet-worker-0", pytorchjob_env("worker", 0, "1"), TORCHRUN),
+    ),
+    "pytorchjob-python": (
+        ("resnet-master-0", pytorchjob_env("master", 0), [sys.executable]),
+        ("resnet-worker-0", pytorchjob_env("worker", 0), [sys.executable]),
+    ),
     "trainjob-v2": (("resnet-node-0-0", trainjob_env(0), TORCHRUN), ("resnet-node-0-1", trainjob_env(1), TORCHRUN)),
     "srun-python": (("node1", srun_env(0), [sys.executable]), ("node2", srun_env(1), [sys.executable])),
 }
@@ -105,47 +167,70 @@ def test_each_engine_started_its_way_trains_as_one_machine_does(engine, pods, de
     """Two pods (nodes) of one process each, as the engine starts them, equal one machine with 2 processes and the
     same settings, bitwise: the ranks, LOCAL_RANK and the master come from the engine's variables alone. With the
     loader workers a user gets, in a pod's 64 MB /dev/shm (their batches fit)."""
-    commands = [pod(pods, which, hostname, env, [*launcher, *train(tmp_path, tiny_data)])
-                for which, (hostname, env, launcher) in zip("ab", ENGINES[engine])]
+    commands = [
+        pod(pods, which, hostname, env, [*launcher, *train(tmp_path, tiny_data)])
+        for which, (hostname, env, launcher) in zip("ab", ENGINES[engine])
+    ]
     results = run_together(commands, timeout=240)
     assert [node.returncode for node in results] == [0, 0], results
     output = results[0].stdout + results[1].stdout
     assert output.count("global batch 16 = 8 per process x 2 processes") == 1, output
     assert not any("Traceback" in node.stderr or "error:" in node.stderr for node in results), results
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_ddp / "last.pt"))
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
     print(f"{engine}: {max(node.seconds for node in results):.1f} s")
 
 
-def test_pytorchjob_python_refuses_several_processes_per_pod_and_a_master_that_never_answers(pods, tiny_data,
-                                                                                             tmp_path):
+def test_pytorchjob_python_refuses_several_processes_per_pod_and_a_master_that_never_answers(pods, tiny_data, tmp_path):
     """Plain python with nprocPerNode 8 (WORLD_SIZE counts 8 per pod) would wait for processes nobody starts; a
     worker pod whose master never answers would wait, then print dozens of C++ lines. One line each, within
     --dist-timeout."""
-    command = [sys.executable, SCRIPT, *DEFAULTS, "--dist-timeout", "5", "--data-path", tiny_data, "--output-dir",
-               tmp_path / "run"]
-    several, silent = run_together([pod(pods, "b", "resnet-worker-0", pytorchjob_env("worker", 0, nproc), command)
-                                    for nproc in ("8", "auto")], timeout=120)
+    command = [
+        sys.executable,
+        SCRIPT,
+        *DEFAULTS,
+        "--dist-timeout",
+        "5",
+        "--data-path",
+        tiny_data,
+        "--output-dir",
+        tmp_path / "run",
+    ]
+    several, silent = run_together(
+        [pod(pods, "b", "resnet-worker-0", pytorchjob_env("worker", 0, nproc), command) for nproc in ("8", "auto")],
+        timeout=120,
+    )
     for node, expected in [
-            (several, "error: WORLD_SIZE 16 for 2 pods, but python starts one process per pod: start the pod's "
-                         "command with torchrun (it reads PET_*)"),
-            (silent, "error: rank 1 cannot reach MASTER_ADDR:MASTER_PORT resnet-master-0:23456 within "
-                        "--dist-timeout 5 s (Connection refused): check both, and that rank 0 (the master pod, the "
-                        "first task) runs")]:
+        (
+            several,
+            "error: WORLD_SIZE 16 for 2 pods, but python starts one process per pod: start the pod's "
+            "command with torchrun (it reads PET_*)",
+        ),
+        (
+            silent,
+            "error: rank 1 cannot reach MASTER_ADDR:MASTER_PORT resnet-master-0:23456 within "
+            "--dist-timeout 5 s (Connection refused): check both, and that rank 0 (the master pod, the "
+            "first task) runs",
+        ),
+    ]:
         assert node.returncode == 1 and node.stderr.strip() == expected and node.stdout == "", node
         assert node.seconds < 5 + 40, node.seconds  # torch's import comes first
     assert not (tmp_path / "run").exists()
 
 
-def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(pods, default_ddp, tiny_data,
-                                                                               tmp_path):
+def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(pods, default_ddp, tiny_data, tmp_path):
     """elasticPolicy: torchrun in each pod with c10d rendezvous at worker 0, max 1 restart, the manifest's
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE. The worker in pod b is killed mid-epoch: pod b's agent restarts it (a
     failure), pod a's its own (a membership change), they meet again and resume from the last checkpoint, and the
     job ends with the uninterrupted weights."""
     command = [*TORCHRUN, *train(tmp_path, tiny_data, "--save-every", "1")]
-    jobs = [start(pod(pods, which, f"resnet-elastic-worker-{n}", elastic_env(), command), timeout=300,
-                  env={**job_env(), "LOGLEVEL": "INFO"}) for n, which in enumerate("ab")]
+    jobs = [
+        start(
+            pod(pods, which, f"resnet-elastic-worker-{n}", elastic_env(), command),
+            timeout=300,
+            env={**job_env(), "LOGLEVEL": "INFO"},
+        )
+        for n, which in enumerate("ab")
+    ]
     outputs = [[], []]
     readers = [read_lines(job, out) for job, out in zip(jobs, outputs)]
     try:
@@ -165,8 +250,7 @@ def test_an_elastic_pytorchjob_restarts_a_killed_worker_in_one_pod_and_resumes(p
     resumed = [t for t in text if "resuming from" in t]
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_ddp / "last.pt"))
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
 
 
 # --------------------------------------------------------------------------------------- a pod's /dev/shm
@@ -191,14 +275,38 @@ def test_a_64_mb_dev_shm_too_small_for_the_loader_workers_is_refused_in_one_line
     its first batches with tracebacks of 100 lines (`unable to allocate shared memory`); now one line says what to
     mount, and the --workers that fits, before any batch is read. (The defaults fit: the engine tests above.)"""
     started = time.time()
-    big = run(in_small_shm(["bash", "run.sh", "ddp", 2, "--data-path", tiny_data, "--epochs", "1", "-j", "2",
-                                "-b", "4", "--img-size", "720", "--val-fraction", "0.25", "--output-dir",
-                                tmp_path / "big"]), env=job_env(), timeout=240)
+    big = run(
+        in_small_shm(
+            [
+                "bash",
+                "run.sh",
+                "ddp",
+                2,
+                "--data-path",
+                tiny_data,
+                "--epochs",
+                "1",
+                "-j",
+                "2",
+                "-b",
+                "4",
+                "--img-size",
+                "720",
+                "--val-fraction",
+                "0.25",
+                "--output-dir",
+                tmp_path / "big",
+            ]
+        ),
+        env=job_env(),
+        timeout=240,
+    )
     errors = [line for line in big.stderr.splitlines() if line.startswith("error:")]
     assert big.returncode == 1 and errors == [
         "error: /dev/shm holds 64 MiB, too little for the batches of 2 loader workers per process: mount a "
         "memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
-        "--shm-size=8g), or use --workers 0"], big.stderr[-3000:]
+        "--shm-size=8g), or use --workers 0"
+    ], big.stderr[-3000:]
     assert "Traceback" not in big.stderr and "  step " not in big.stdout, big.stderr[-3000:]
     assert time.time() - started < 90
     assert not (tmp_path / "big" / "last.pt").exists()
@@ -206,15 +314,20 @@ def test_a_64_mb_dev_shm_too_small_for_the_loader_workers_is_refused_in_one_line
 
 def test_doctor_names_the_engine_and_the_pods_dev_shm(small_shm):
     """In a pod of an elastic PyTorchJob whose manifest forgot the store variable, with a 64 MB /dev/shm."""
-    env = {k: v for k, v in {**job_env(), **elastic_env(), "KUBERNETES_SERVICE_HOST": "10.96.0.1"}.items()
-           if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in {**job_env(), **elastic_env(), "KUBERNETES_SERVICE_HOST": "10.96.0.1"}.items()
+        if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "MASTER_PORT")
+    }
     result = run(in_small_shm(["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
     lines = result.stdout.splitlines()
     assert result.returncode == 1, result.stdout + result.stderr  # the missing variable is a failed check
-    assert ("fail  engine: Kubeflow PyTorchJob, elastic (c10d rendezvous at resnet-elastic-worker-0:23456, "
-            "PET_NNODES 1:2, PET_MAX_RESTARTS 1): start torchrun, which reads PET_*; restarts on several pods need "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the scripts refuse without it): add it to the container's env "
-            "(examples/)") in lines, lines
+    assert (
+        "fail  engine: Kubeflow PyTorchJob, elastic (c10d rendezvous at resnet-elastic-worker-0:23456, "
+        "PET_NNODES 1:2, PET_MAX_RESTARTS 1): start torchrun, which reads PET_*; restarts on several pods need "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the scripts refuse without it): add it to the container's env "
+        "(examples/)"
+    ) in lines, lines
     shm = [line for line in lines if "/dev/shm 64 MiB" in line]
     assert len(shm) == 1 and shm[0].startswith("warn  ") and "emptyDir with medium: Memory" in shm[0], lines
 
@@ -277,7 +390,7 @@ def read_yaml(text):
 
 
 def test_the_yaml_reader_reads_what_it_claims_and_refuses_the_rest():
-    text = ("a: 1\nb:\n  - x\n  - c: \"2\"\n    d: e:f  # comment\nt: &t\n  k: v\nu: *t\n")
+    text = 'a: 1\nb:\n  - x\n  - c: "2"\n    d: e:f  # comment\nt: &t\n  k: v\nu: *t\n'
     assert read_yaml(text) == {"a": 1, "b": ["x", {"c": "2", "d": "e:f"}], "t": {"k": "v"}, "u": {"k": "v"}}
     for bad in ("a: [1, 2]\n", "a: {b: 1}\n", "a: |\n  x\n", "a: 1\na: 2\n", "a:\n  b: 1\n c: 2\n", "a: 'x'\n"):
         with pytest.raises(ValueError):
@@ -349,22 +462,21 @@ def test_the_trainjob_manifest_carries_what_the_scripts_need():
     spec = replicated["template"]["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert container["name"] == "node"  # the runtime's container: Trainer puts trainer.env and PET_* there
-    check_pod(spec, {**container, "env": trainer["env"], "resources": trainer["resourcesPerNode"]},
-              trainer["command"])
+    check_pod(spec, {**container, "env": trainer["env"], "resources": trainer["resourcesPerNode"]}, trainer["command"])
 
 
 def test_the_torchx_command_carries_what_the_scripts_need():
     text = (EXAMPLES / "torchx.sh").read_text()
     assert subprocess.run(["bash", "-n", EXAMPLES / "torchx.sh"], timeout=10).returncode == 0
-    words = shlex.split(text[text.index("torchx run"):].replace("\\\n", " "), comments=True)
+    words = shlex.split(text[text.index("torchx run") :].replace("\\\n", " "), comments=True)
     assert words[:4] == ["torchx", "run", "--scheduler", "kubernetes"] and "dist.ddp" in words
-    options = dict(zip(words[:words.index("--")], words[1:words.index("--")]))
+    options = dict(zip(words[: words.index("--")], words[1 : words.index("--")]))
     assert int(options["--max_retries"]) > 0 and options["-j"] == "2x8"
     assert {"--gpu", "--cpu", "--memMB"} <= set(options) and options["--script"] == SCRIPT
     assert options["--env"] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     mount = dict(item.split("=") for item in options["--mounts"].split(","))
     assert mount["type"] == "volume"  # a claim every pod shares; TorchX mounts a memory-backed /dev/shm itself
-    args = flags_known(words[words.index("--") + 1:])
+    args = flags_known(words[words.index("--") + 1 :])
     assert args["--resume"] == "auto" and args["--output-dir"].startswith(mount["dst"] + "/")
 
 
@@ -379,6 +491,6 @@ def test_the_sbatch_file_asks_one_task_per_gpu_and_requeues_with_resume_auto():
     assert "--gpus-per-task" not in sbatch
     srun = shlex.split(re.search(r"^srun python .*?(?<!\\)$", text, re.M | re.S)[0].replace("\\\n", " "))
     assert srun[:3] == ["srun", "python", SCRIPT], srun
-    flags_known(srun[3:srun.index("||")])
+    flags_known(srun[3 : srun.index("||")])
     assert srun[srun.index("--resume") + 1] == "auto" and "$SLURM_JOB_ID" in srun[srun.index("--output-dir") + 1]
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text

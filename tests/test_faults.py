@@ -1,6 +1,7 @@
 """What goes wrong on real clusters, as bounded scenarios with real processes: a full disk mid-run, a node that
 never arrives, a peer that never comes, a rank that freezes, a taken port, a crafted or truncated checkpoint, and
 --profile."""
+
 import contextlib
 import json
 import os
@@ -15,8 +16,21 @@ import time
 import pytest
 import torch
 
-from conftest import (DEFAULTS, EXACT, FAST, REPO, assert_job_gone, finish, job_env, ranks, read_until,
-                      run_sh, start, start_sh, torchrun)
+from conftest import (
+    DEFAULTS,
+    EXACT,
+    FAST,
+    REPO,
+    assert_job_gone,
+    finish,
+    job_env,
+    ranks,
+    read_until,
+    run_sh,
+    start,
+    start_sh,
+    torchrun,
+)
 
 
 def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_path):
@@ -24,28 +38,51 @@ def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_pat
     host reads a device value only at step 10, for the progress line's loss. The ranks' stop vote, before every step,
     is an all-reduce of a CPU tensor (on a GPU too): no device to wait for, and counted apart from the training's
     collectives. The count comes from tools/profile_report.py, reading the trace the script wrote."""
-    proc = torchrun(2, "train_ddp_torchrun.py", "--img-size", "32", "-b", "1", "--epochs", "1", "--workers", "0",
-                    "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25", "--profile", "10", "--output-dir",
-                    tmp_path / "run", timeout=120)
+    proc = torchrun(
+        2,
+        "train_ddp_torchrun.py",
+        "--img-size",
+        "32",
+        "-b",
+        "1",
+        "--epochs",
+        "1",
+        "--workers",
+        "0",
+        "--freeze",
+        "--data-path",
+        tiny_data,
+        "--val-fraction",
+        "0.25",
+        "--profile",
+        "10",
+        "--output-dir",
+        tmp_path / "run",
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     trace = tmp_path / "run" / "trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(event.get("name", "").startswith("ProfilerStep") for event in events) == 10
     assert "profile: peak memory " in proc.stdout and f"python tools/profile_report.py {trace}" in proc.stdout
-    report = subprocess.run([sys.executable, "tools/profile_report.py", str(trace)], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    report = subprocess.run(
+        [sys.executable, "tools/profile_report.py", str(trace)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert report.returncode == 0 and report.stdout.startswith("profile: 10 steps: waiting for data "), report
     assert "% (may overlap compute" in report.stdout, report.stdout
-    assert ", 0.10 host reads of device values (syncs) per step, 0.00 CUDA runtime syncs per step; " \
-        "collectives per step: " in report.stdout, report.stdout  # (on a CPU: no CUDA runtime)
+    assert (
+        ", 0.10 host reads of device values (syncs) per step, 0.00 CUDA runtime syncs per step; "
+        "collectives per step: " in report.stdout
+    ), report.stdout  # (on a CPU: no CUDA runtime)
     assert report.stdout.rstrip().endswith(" (and 1 stop vote, on the CPU)"), report.stdout
 
 
 @contextlib.contextmanager
 def tmpfs(folder, size):
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                      capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield folder
@@ -62,8 +99,21 @@ def small_disk(tmp_path):
 
 def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data, small_disk):
     started = time.time()
-    proc = torchrun(2, "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25",
-                    "--save-every", "1", "--output-dir", small_disk / "run", timeout=120)
+    proc = torchrun(
+        2,
+        "train_ddp_torchrun.py",
+        *FAST,
+        "--freeze",
+        "--data-path",
+        tiny_data,
+        "--val-fraction",
+        "0.25",
+        "--save-every",
+        "1",
+        "--output-dir",
+        small_disk / "run",
+        timeout=120,
+    )
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "last.pt" in errors[0], proc.stderr[-3000:]
@@ -94,8 +144,9 @@ def test_a_node_that_never_arrives_ends_with_one_line():
     """The first node (NODE_RANK=0) alone, on a port that the job before it left in TIME_WAIT: the port is free for
     torch's store, and the job ends within RDZV_TIMEOUT in one line."""
     started = time.time()
-    env = job_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port_in_time_wait()),
-                  RDZV_TIMEOUT="5")
+    env = job_env(
+        NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port_in_time_wait()), RDZV_TIMEOUT="5"
+    )
     proc = run_sh("ddp", "1", "--epochs", "1", timeout=90, env=env)
     assert proc.returncode != 0
     assert "run.sh: not all 2 nodes joined" in proc.stderr and "RDZV_TIMEOUT" in proc.stderr
@@ -110,10 +161,30 @@ def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
     hanging_peer = tmp_path / "hanging_peer.sh"
     hanging_peer.write_text(f'[ "$LOCAL_RANK" = 1 ] && exec sleep 600\nexec {sys.executable} "$@"\n')
     started = time.time()
-    job = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
-                 "bash", hanging_peer, "train_ddp_torchrun.py", *FAST, "--freeze", "--data-path", tiny_data,
-                 "--val-fraction", "0.25", "--dist-timeout", dist_timeout, "--output-dir", tmp_path / "run"],
-                timeout=200)
+    job = start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--no-python",
+            "bash",
+            hanging_peer,
+            "train_ddp_torchrun.py",
+            *FAST,
+            "--freeze",
+            "--data-path",
+            tiny_data,
+            "--val-fraction",
+            "0.25",
+            "--dist-timeout",
+            dist_timeout,
+            "--output-dir",
+            tmp_path / "run",
+        ],
+        timeout=200,
+    )
     output = finish(job, [], timeout=150)  # well before the default 300 s
     took = time.time() - started
     assert job.returncode != 0, output[-3000:]
@@ -130,8 +201,12 @@ def test_a_taken_master_port_is_refused_with_its_number():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = run_sh("ddp", "1", timeout=60,
-                      env=job_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        proc = run_sh(
+            "ddp",
+            "1",
+            timeout=60,
+            env=job_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        )
     assert proc.returncode == 2
     assert f"MASTER_PORT {port} is already in use" in proc.stderr
 
@@ -145,11 +220,19 @@ def test_a_master_port_held_by_a_foreign_listener_ends_in_one_line():
         held.listen()
         port = held.getsockname()[1]
         started = time.time()
-        proc = run_sh("ddp", "1", "--epochs", "1", timeout=90,
-                      env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="20"))
+        proc = run_sh(
+            "ddp",
+            "1",
+            "--epochs",
+            "1",
+            timeout=90,
+            env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="20"),
+        )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    line = (f"run.sh: MASTER_PORT {port} on this machine (it holds MASTER_ADDR) is held by a process that is not "
-            f"torch's store: choose another port for every node, or stop what holds it (ss -ltnp 'sport = :{port}')")
+    line = (
+        f"run.sh: MASTER_PORT {port} on this machine (it holds MASTER_ADDR) is held by a process that is not "
+        f"torch's store: choose another port for every node, or stop what holds it (ss -ltnp 'sport = :{port}')"
+    )
     assert proc.stderr.splitlines()[-1] == line, proc.stderr
     assert time.time() - started < 60
 
@@ -158,8 +241,23 @@ def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, t
     """Rank 1 stopped (SIGSTOP: a hung NFS read, a stuck driver) with --dist-timeout 10: rank 0's all-reduce times out
     (gloo's RuntimeError, not a DistError) and says so in one line; the launcher then ends the frozen rank after
     its grace period (30 s), and its report stays in run.sh's log, in the run folder."""
-    job, lines, frozen = start_sh("ddp", 2, *DEFAULTS, "-b", "2", "--data-path", tiny_data, "--dist-timeout", 10,
-                                  "--output-dir", tmp_path / "run"), [], None
+    job, lines, frozen = (
+        start_sh(
+            "ddp",
+            2,
+            *DEFAULTS,
+            "-b",
+            "2",
+            "--data-path",
+            tiny_data,
+            "--dist-timeout",
+            10,
+            "--output-dir",
+            tmp_path / "run",
+        ),
+        [],
+        None,
+    )
     if read_until(job, lines, "epoch 1/2  step 2/12"):
         os.kill(ranks(job)[1], signal.SIGSTOP)
         frozen = time.time()
@@ -192,8 +290,19 @@ def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(tiny_data, tmp_path):
     folder, marker = tmp_path / "run", tmp_path / "code-ran"
     (folder / "last-step1-1.dcp").mkdir(parents=True)
     (folder / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    torch.save({"model": {}, "optimizer": "last-step1-1.dcp", "args": {"model": "resnet18"}, "epoch": 0,
-                "classes": ["c0", "c1", "c2"], "samples": 16, "global_batch": 16, "best": None}, folder / "last.pt")
+    torch.save(
+        {
+            "model": {},
+            "optimizer": "last-step1-1.dcp",
+            "args": {"model": "resnet18"},
+            "epoch": 0,
+            "classes": ["c0", "c1", "c2"],
+            "samples": 16,
+            "global_batch": 16,
+            "best": None,
+        },
+        folder / "last.pt",
+    )
     proc = run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder, "--resume", "auto")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
@@ -201,22 +310,25 @@ def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(tiny_data, tmp_path):
     assert "Traceback" not in proc.stderr and not marker.exists()
 
 
-def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_intact_best_pt(fsdp_references,
-                                                                                               tiny_data, tmp_path):
+def test_a_truncated_last_pt_under_torchrun_and_fsdp_is_one_line_naming_the_intact_best_pt(
+    fsdp_references, tiny_data, tmp_path
+):
     """An FSDP run's folder (bash run.sh fsdp 2, finished), its last.pt cut to half as a copy cut short leaves it:
     --resume auto by the FSDP rung and by the torchrun rung (which needs no shards) each end in one line."""
     for mode in ("fsdp", "ddp"):
         shutil.copytree(fsdp_references["bn"], tmp_path / mode)
         last = tmp_path / mode / "last.pt"
-        last.write_bytes(last.read_bytes()[:last.stat().st_size // 2])
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
         proc = run_sh(mode, 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / mode, "--resume", "auto")
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 1 and len(errors) == 1, (mode, proc.stderr[-3000:])
         best = last.with_name("best.pt")
-        assert errors[0] == (f"error: --resume {last}: not a readable checkpoint, perhaps cut short "
-                             f"(PytorchStreamReader failed reading zip archive: failed finding central directory); "
-                             f"{best} is intact: continue from it with --resume {best}, or start from its weights "
-                             f"with --weights {best}"), errors
+        assert errors[0] == (
+            f"error: --resume {last}: not a readable checkpoint, perhaps cut short "
+            f"(PytorchStreamReader failed reading zip archive: failed finding central directory); "
+            f"{best} is intact: continue from it with --resume {best}, or start from its weights "
+            f"with --weights {best}"
+        ), errors
 
 
 def test_a_full_disk_while_fsdp_writes_its_shards_is_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
@@ -224,8 +336,21 @@ def test_a_full_disk_while_fsdp_writes_its_shards_is_one_line_and_keeps_the_last
     dcp.save fails on every rank with torch's "unexpected pos", which says nothing of the disk."""
     with tmpfs(tmp_path / "disk", "100m") as small_disk:
         started = time.time()
-        proc = run_sh("fsdp", 2, *FAST, "--freeze", "--data-path", tiny_data, "--val-fraction", "0.25", "--save-every",
-                      "1", "--output-dir", small_disk / "run", env=job_env())
+        proc = run_sh(
+            "fsdp",
+            2,
+            *FAST,
+            "--freeze",
+            "--data-path",
+            tiny_data,
+            "--val-fraction",
+            "0.25",
+            "--save-every",
+            "1",
+            "--output-dir",
+            small_disk / "run",
+            env=job_env(),
+        )
         check_full_disk(proc, small_disk, started)
 
 
@@ -300,8 +425,9 @@ def test_a_run_folder_turned_read_only_mid_run_is_one_line_and_resumes(tiny_data
     line = one_error_line(output)
     assert line.startswith(f"error: cannot write TensorBoard logs into {run} (Read-only file system)"), line
     assert torch.load(run / "last.pt", weights_only=True)["epoch"] == 1
-    resumed = subprocess.run(args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True, text=True,
-                             timeout=150)
+    resumed = subprocess.run(
+        args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=150
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and (run / "results.json").is_file()
 
@@ -315,23 +441,40 @@ def test_a_failed_first_best_pt_is_written_by_the_resumed_run(tiny_data, tmp_pat
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     from PIL import Image
+
     frames = [Image.new("RGB", (40, 40), (40 * i, 90, 200)) for i in range(3)]
     frames[0].save(data / "c0" / "animated.gif", save_all=True, append_images=frames[1:], duration=50, loop=0)
     with tmpfs(tmp_path / "disk", "70m") as disk:
         run = disk / "run"
-        args = [sys.executable, "train_single.py", *FAST, "--freeze", "--epochs", "1", "--data-path", data,
-                "--val-fraction", "0.25", "--save-every", "3", "--output-dir", run]
+        args = [
+            sys.executable,
+            "train_single.py",
+            *FAST,
+            "--freeze",
+            "--epochs",
+            "1",
+            "--data-path",
+            data,
+            "--val-fraction",
+            "0.25",
+            "--save-every",
+            "3",
+            "--output-dir",
+            run,
+        ]
         first = subprocess.run(args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=150)
         assert first.returncode == 1, first.stderr[-3000:]
         line = one_error_line(first.stderr)
-        assert line.startswith(f"error: cannot write {run / 'best.pt'} (No space left on device)") and \
-            line.endswith("continue with --resume auto (nothing half-written is left)"), line
+        assert line.startswith(f"error: cannot write {run / 'best.pt'} (No space left on device)") and line.endswith(
+            "continue with --resume auto (nothing half-written is left)"
+        ), line
         assert not (run / "best.pt").exists() and torch.load(run / "last.pt", weights_only=True)["samples"] > 0
         stale = run / f".last.pt.{2**22 + 1}.tmp"
         stale.write_bytes(b"\0" * 1000)
         subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
-        resumed = subprocess.run(args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True,
-                                 text=True, timeout=150)
+        resumed = subprocess.run(
+            args + ["--resume", "auto"], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=150
+        )
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert not stale.exists() and sorted(p.name for p in run.glob(".*.tmp")) == []
         best, last = (torch.load(run / name, weights_only=True) for name in ("best.pt", "last.pt"))
@@ -345,14 +488,31 @@ def test_an_image_bomb_in_a_folder_is_one_line_naming_it_undecoded(tiny_data, tm
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     from PIL import Image
+
     Image.new("RGB", (15000, 15000), (10, 200, 30)).save(data / "c1" / "bomb.png")
-    proc = subprocess.run([sys.executable, "train_single.py", *FAST, "--data-path", data, "--val-fraction", "0.25",
-                           "--output-dir", tmp_path / "run"], cwd=REPO, env=job_env(), capture_output=True,
-                          text=True, timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train_single.py",
+            *FAST,
+            "--data-path",
+            data,
+            "--val-fraction",
+            "0.25",
+            "--output-dir",
+            tmp_path / "run",
+        ],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = one_error_line(proc.stderr)
-    assert line.startswith(f"error: image {data / 'c1' / 'bomb.png'} has 225000000 pixels, over "
-                           f"PIL.Image.MAX_IMAGE_PIXELS ("), line
+    assert line.startswith(
+        f"error: image {data / 'c1' / 'bomb.png'} has 225000000 pixels, over PIL.Image.MAX_IMAGE_PIXELS ("
+    ), line
     assert "raise that limit in build_datasets()" in line, line
 
 
@@ -362,9 +522,12 @@ def test_a_resume_with_other_trained_parameters_is_one_line(ddp_killed, fsdp_kil
     for mode, folder in (("ddp", ddp_killed[0].parent), ("fsdp", fsdp_killed[0])):
         shutil.copytree(folder, tmp_path / mode)
         args = [arg for arg in EXACT if arg != "--freeze"]
-        proc = run_sh(mode, 2, *args, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / mode,
-                      "--resume", "auto")
+        proc = run_sh(
+            mode, 2, *args, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / mode, "--resume", "auto"
+        )
         assert proc.returncode == 1, (mode, proc.stderr[-3000:])
         line = one_error_line(proc.stderr)
-        assert line.startswith("error: --resume: the checkpoint's optimizer state is for other trained parameters") \
-            and "--weights" in line, (mode, line)
+        assert (
+            line.startswith("error: --resume: the checkpoint's optimizer state is for other trained parameters")
+            and "--weights" in line
+        ), (mode, line)

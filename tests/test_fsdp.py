@@ -3,6 +3,7 @@
 Most runs use a folder holding only the scripts and their helpers (the copy-out case, shared.bare). As in test_ddp.py,
 --freeze makes W processes x batch B equal to one process with batch W x B: tolerance 1e-5.
 """
+
 import json
 import re
 import shutil
@@ -14,9 +15,24 @@ import torch
 import torchvision
 
 import utils
-from conftest import (DEFAULTS, EXACT, REPO, assert_resumed_after, assert_same_weights, checkpoint_step,
-                      collectives_per_step, deliver, finish, load_model_state, ok, read_until, run_sh,
-                      start, start_sh, torchrun)
+from conftest import (
+    DEFAULTS,
+    EXACT,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    checkpoint_step,
+    collectives_per_step,
+    deliver,
+    finish,
+    load_model_state,
+    ok,
+    read_until,
+    run_sh,
+    start,
+    start_sh,
+    torchrun,
+)
 from shared import copy_while_paused
 from test_ddp import run_and_kill_one_worker
 
@@ -64,8 +80,17 @@ def test_fsdp_equals_single_process_and_saves_a_plain_torchvision_model(runs):
 
 def test_resume_from_another_scripts_checkpoint_says_what_to_use(exact_single, tiny_data, bare, tmp_path):
     """train_single.py's last.pt holds the optimizer state itself, no sharded folder: one line, no worker traceback."""
-    proc = fsdp(bare, 1, *COMMON, "--data-path", tiny_data, "--resume", exact_single / "last.pt", "--output-dir",
-                tmp_path / "another")
+    proc = fsdp(
+        bare,
+        1,
+        *COMMON,
+        "--data-path",
+        tiny_data,
+        "--resume",
+        exact_single / "last.pt",
+        "--output-dir",
+        tmp_path / "another",
+    )
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no sharded state beside it; use a last.pt, or --weights" in errors[0], errors
@@ -78,8 +103,25 @@ def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bar
     trace by tools/profile_report.py (see test_ddp.py's accumulation test); the all-gathers double (two forwards)."""
     plain_dir, accum_dir = tmp_path / "plain", tmp_path / "accum"
     for folder, batch, accum in ((plain_dir, 4, 1), (accum_dir, 2, 2)):
-        ok(fsdp(bare, 2, *COMMON, "--data-path", tiny_data, "-b", batch, "--accum-steps", accum, "--print-freq", "10",
-                "--profile", "2", "--output-dir", folder))
+        ok(
+            fsdp(
+                bare,
+                2,
+                *COMMON,
+                "--data-path",
+                tiny_data,
+                "-b",
+                batch,
+                "--accum-steps",
+                accum,
+                "--print-freq",
+                "10",
+                "--profile",
+                "2",
+                "--output-dir",
+                folder,
+            )
+        )
     assert_same_weights(load_model_state(accum_dir / "last.pt"), load_model_state(plain_dir / "last.pt"), atol=TOL)
     plain, accum = (collectives_per_step(folder / "trace.json") for folder in (plain_dir, accum_dir))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
@@ -92,17 +134,23 @@ def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_d
     restores every parameter and momentum exactly, and with --freeze the BatchNorm statistics never change). (At
     another world size and mesh: the HSDP test below.)"""
     args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
-    stdout, code, killed = run_and_kill_one_worker(bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3",
-                                                   victim=-1)
+    stdout, code, killed = run_and_kill_one_worker(
+        bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3", victim=-1
+    )
     assert killed, "the run ended before a worker could be killed"
     assert code == 0, stdout[-4000:]
     resumed = stdout.split("resuming from")[1].splitlines()[0]
-    assert resumed.endswith(("epoch 1 after 32 of its 50 samples (at global batch 16)",
-                             "epoch 2 after 0 of its 50 samples (at global batch 16)")), resumed
+    assert resumed.endswith(
+        (
+            "epoch 1 after 32 of its 50 samples (at global batch 16)",
+            "epoch 2 after 0 of its 50 samples (at global batch 16)",
+        )
+    ), resumed
     # the restarted group trained from the step after that checkpoint, not again from step 1
     assert stdout.count("epoch 1/2  step 1/3") == 1 and assert_resumed_after(stdout)[0] in (3, 4), stdout[-4000:]
-    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"),
-                        load_model_state(runs["dir"] / "fsdp" / "last.pt"))
+    assert_same_weights(
+        load_model_state(tmp_path / "killed" / "last.pt"), load_model_state(runs["dir"] / "fsdp" / "last.pt")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +167,29 @@ def test_no_warning_of_a_deprecated_or_unclosed_thing(references):
     assert (references["bn"] / "results.json").is_file()  # it ran to the end (the fixture also checks its exit)
 
 
-def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_figures(trained_bn, tiny_data, bare,
-                                                                                       tmp_path):
+def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_figures(
+    trained_bn, tiny_data, bare, tmp_path
+):
     """17 validation images over 1, 2 and 3 processes: ranks with one batch fewer run an empty forward pass (FSDP
     all-gathers in every forward), and every image is counted once. And the buffer trap: FSDP leaves each rank's
     BatchNorm statistics its own; evaluated and saved with rank 0's, what bash run.sh fsdp 2 logged at its end
     (batch 8: 9 and 8 images, 2 and 1 batches) is what --test-only measures on its last.pt at 1 and 3 processes
     (batch 4: 2, 2 and 2 batches of 6, 6 and 5)."""
-    common = ["--test-only", "--resume", trained_bn / "last.pt", "--data-path", tiny_data, "--img-size", "32",
-              "--val-fraction", "0.25", "--workers", "0", "-b", "4"]
+    common = [
+        "--test-only",
+        "--resume",
+        trained_bn / "last.pt",
+        "--data-path",
+        tiny_data,
+        "--img-size",
+        "32",
+        "--val-fraction",
+        "0.25",
+        "--workers",
+        "0",
+        "-b",
+        "4",
+    ]
     for nproc in (1, 3):
         ok(fsdp(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
     logged = results(trained_bn)
@@ -158,8 +220,28 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data
     """Parameters, gradients and optimizer state held by rank 0, summed over its local shards after the first step
     (BatchNorm training: every parameter has a gradient and a momentum buffer), at 2 processes (trained_bn) and 3
     (one epoch here), against the whole model's float32 bytes."""
-    ok(fsdp(REPO, 3, "--img-size", "32", "-b", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1",
-            "--val-fraction", "0.25", "--data-path", tiny_data, "--output-dir", tmp_path / "3"))
+    ok(
+        fsdp(
+            REPO,
+            3,
+            "--img-size",
+            "32",
+            "-b",
+            "8",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--print-freq",
+            "1",
+            "--val-fraction",
+            "0.25",
+            "--data-path",
+            tiny_data,
+            "--output-dir",
+            tmp_path / "3",
+        )
+    )
     per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(tmp_path / "3")["bytes_per_rank"]}
     size = 4 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters())
     whole = {"params": size, "grads": size, "optimizer": size}
@@ -168,15 +250,37 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data
         for name, size in figures.items():
             # rank 0's shard: a dim-0 chunk, rounded up (64 rows on 3 ranks: 22, 22, 20)
             assert whole[name] / nproc <= size <= 1.1 * whole[name] / nproc, (nproc, name, size, whole[name])
-    print({nproc: {name: f"{size / 2**20:.1f} MiB" for name, size in figures.items()}
-           for nproc, figures in sorted(per_rank.items())})
+    print(
+        {
+            nproc: {name: f"{size / 2**20:.1f} MiB" for name, size in figures.items()}
+            for nproc, figures in sorted(per_rank.items())
+        }
+    )
 
 
 # --------------------------------------------------------------------------- mixed precision, ZeRO-2, HSDP, clipping
 def zero(stage, tiny_data, folder):
     """ZeRO-3 or -2, profiled: BatchNorm training, batch 4, steps 4 and 5 of 6 in the trace."""
-    ok(fsdp(REPO, 2, *DEFAULTS, "-b", "4", "--workers", "0", "--print-freq", "10", "--profile", "2", "--data-path",
-            tiny_data, {3: "--reshard-after-forward", 2: "--no-reshard-after-forward"}[stage], "--output-dir", folder))
+    ok(
+        fsdp(
+            REPO,
+            2,
+            *DEFAULTS,
+            "-b",
+            "4",
+            "--workers",
+            "0",
+            "--print-freq",
+            "10",
+            "--profile",
+            "2",
+            "--data-path",
+            tiny_data,
+            {3: "--reshard-after-forward", 2: "--no-reshard-after-forward"}[stage],
+            "--output-dir",
+            folder,
+        )
+    )
 
 
 def bf16_with_a_dtype_hook(tiny_data, out):
@@ -186,12 +290,14 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     copy.mkdir()
     for name in ("utils.py", "dist_utils.py", "fsdp_utils.py", "builtin.py"):
         shutil.copy(REPO / name, copy)
-    hook = ("    seen = set()  # (test) the dtypes each layer type meets\n"
-            "    for m in model.modules():\n"
-            "        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.Conv2d)):\n"
-            "            m.register_forward_hook(lambda m, i, o: seen.add((type(m).__name__, str(i[0].dtype), "
-            "str(m.weight.dtype), str(o.dtype))))\n"
-            "    __import__('atexit').register(lambda: print('dtypes', sorted(seen)) if rank == 0 else None)\n")
+    hook = (
+        "    seen = set()  # (test) the dtypes each layer type meets\n"
+        "    for m in model.modules():\n"
+        "        if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.Conv2d)):\n"
+        "            m.register_forward_hook(lambda m, i, o: seen.add((type(m).__name__, str(i[0].dtype), "
+        "str(m.weight.dtype), str(o.dtype))))\n"
+        "    __import__('atexit').register(lambda: print('dtypes', sorted(seen)) if rank == 0 else None)\n"
+    )
     text = (REPO / "train_fsdp.py").read_text()
     anchor = "    fully_shard(model, mesh=mesh, mp_policy=policy)\n"
     assert text.count(anchor) == 1
@@ -206,7 +312,8 @@ def test_bf16_keeps_batchnorm_in_fp32_and_learns_like_the_amp_rung(default_amp, 
     convolutions compute in bf16; the run learns as the amp rung's bf16 DDP does on the same settings."""
     seen = bf16_with_a_dtype_hook(tiny_data, tmp_path)
     assert {d[1:] for d in seen if d[0].endswith("BatchNorm2d")} == {  # (FSDPBatchNorm2d once sharded on its own)
-        ("torch.float32", "torch.float32", "torch.bfloat16")}, seen
+        ("torch.float32", "torch.float32", "torch.bfloat16")
+    }, seen
     assert {d[1:3] for d in seen if d[0] == "Conv2d"} == {("torch.bfloat16", "torch.bfloat16")}, seen
     out = tmp_path
     state = load_model_state(out / "bf16" / "last.pt")
@@ -237,9 +344,28 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     same run is the uninterrupted one), continues at HSDP 2 x 2 to the run's own weights bit for bit, and at FSDP 3
     from the same sample, with the LR of its global batch."""
     args = [*COMMON, "--data-path", tiny_data, "-b", "4"]  # (the resumes save at epoch ends only: sooner done)
-    job, lines = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                        "train_fsdp.py", *args, "--save-every", "1", "--hsdp", "2", "--output-dir", tmp_path / "whole"],
-                       cwd=bare, timeout=200), []
+    job, lines = (
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=4",
+                "train_fsdp.py",
+                *args,
+                "--save-every",
+                "1",
+                "--hsdp",
+                "2",
+                "--output-dir",
+                tmp_path / "whole",
+            ],
+            cwd=bare,
+            timeout=200,
+        ),
+        [],
+    )
     paused = read_until(job, lines, "epoch 2/2  step 1/3")  # step 3 saved by now, step 4 perhaps
     if paused:
         checkpoint = copy_while_paused(job, tmp_path / "whole", tmp_path / "copied")
@@ -247,21 +373,26 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
     assert paused and job.returncode == 0, output[-3000:]
     assert "global batch 16 = 4 per process x 4 processes" in output
     sharded = results(tmp_path / "whole")["bytes_per_rank"]["params"]  # over 2 processes, not 4
-    assert sharded == pytest.approx(2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()),
-                                    rel=0.01), sharded
+    assert sharded == pytest.approx(
+        2 * sum(p.numel() for p in torchvision.models.resnet18(num_classes=3).parameters()), rel=0.01
+    ), sharded
     whole = load_model_state(tmp_path / "whole" / "last.pt")
     for reference in (runs["single"], runs["dir"] / "fsdp"):
         assert_same_weights(whole, load_model_state(reference / "last.pt"), atol=TOL)
     assert (checkpoint["epoch"], checkpoint["samples"]) in ((1, 0), (1, 16)), checkpoint["samples"]
     shutil.copytree(tmp_path / "copied", tmp_path / "saved")
-    again = ok(fsdp(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "copied",
-                    timeout=200))
+    again = ok(
+        fsdp(bare, 4, *args, "--hsdp", "2", "--resume", "auto", "--output-dir", tmp_path / "copied", timeout=200)
+    )
     assert_resumed_after(again.stdout, step=checkpoint_step(checkpoint, 3))
     assert_same_weights(load_model_state(tmp_path / "copied" / "last.pt"), whole)
     # at FSDP 3 x 4 (the 2-D mesh's shards redistributed over a 1-D one): the same sample, with the LR of global
     # batch 12 at this step of the new run's schedule (4 steps an epoch)
-    three = ok(fsdp(bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "three",
-                    timeout=200))
+    three = ok(
+        fsdp(
+            bare, 3, *args, "--resume", tmp_path / "saved" / "last.pt", "--output-dir", tmp_path / "three", timeout=200
+        )
+    )
     assert f"epoch 2 after {checkpoint['samples']} of its 48 samples (at global batch 16)" in three.stdout
     assert "lr 0.1 x 12/256 = 0.0046875" in three.stdout
     # 0 samples of epoch 2 done leave its 4 steps of 12, 16 leave 2 (its steps 3 and 4)
@@ -278,8 +409,22 @@ def test_clip_grad_clips_the_global_norm_of_the_shards(runs, tiny_data, bare, tm
     one rank) end equal within TOL, so the norm clipped is the whole gradient's, not a shard's; and
     away from the unclipped 2 x 8 run, so the clip acted. (--freeze: only the head trains, BatchNorm fixed.)"""
     for nproc, batch, name in ((4, "4", "four"), (1, "16", "one")):
-        ok(fsdp(bare, nproc, *COMMON, "--data-path", tiny_data, "--clip-grad", "0.01", "-b", batch, "--output-dir",
-                tmp_path / name, timeout=200))
+        ok(
+            fsdp(
+                bare,
+                nproc,
+                *COMMON,
+                "--data-path",
+                tiny_data,
+                "--clip-grad",
+                "0.01",
+                "-b",
+                batch,
+                "--output-dir",
+                tmp_path / name,
+                timeout=200,
+            )
+        )
     one, four = (load_model_state(tmp_path / name / "last.pt") for name in ("one", "four"))
     assert_same_weights(one, four, atol=TOL)
     free = load_model_state(runs["dir"] / "fsdp" / "last.pt")

@@ -9,6 +9,7 @@ the GPU ends within TOL of an uninterrupted one, each resumed run from the step 
 exist, train_dp.py really runs nn.DataParallel over them. tools/gpucheck.py sizes its time limits from the starts
 counted in LAUNCHES below.
 """
+
 import json
 import math
 import os
@@ -23,11 +24,26 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (DEFAULTS, FP16_CLIP, REPO, assert_resumed_after, assert_same_weights, checkpoint_step, deliver,
-                      finish, gpu_env, load_model_state, ok, read_until, run_sh, start_sh)
+from conftest import (
+    DEFAULTS,
+    FP16_CLIP,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    checkpoint_step,
+    deliver,
+    finish,
+    gpu_env,
+    load_model_state,
+    ok,
+    read_until,
+    run_sh,
+    start_sh,
+)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (bash run.sh gpucheck runs these on a GPU machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (bash run.sh gpucheck runs these on a GPU machine)"
+)
 
 # cuDNN picks its algorithms per run and some CUDA backward kernels add with atomics (adaptive average pooling:
 # see torch.use_deterministic_algorithms), so on a GPU a resumed run is equal within rounding, not bitwise. The
@@ -38,13 +54,15 @@ TOL = 1e-3
 # What each test starts, for tools/gpucheck.py's time limits (tests/test_doctor.py checks that every test is here):
 # {test: (script runs in one process, torchrun launches, GPUs it needs)}. Each start imports torch and torchvision
 # and starts CUDA and 2 loader workers; a torchrun launch starts the launcher first, and NCCL. (0, 0): in this process.
-LAUNCHES = {"test_training_steps_never_wait_for_the_gpu": (0, 0, 1),
-            "test_each_script_trains_on_cuda": (2, 6, 1),
-            "test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu": (0, 1, 1),
-            "test_a_checkpoint_moves_between_gpu_and_cpu": (4, 0, 1),
-            "test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run": (0, 3, 1),
-            "test_the_training_loop_reads_the_gpu_only_at_progress_lines": (0, 2, 1),
-            "test_data_parallel_over_two_gpus_equals_one_gpu": (2, 0, 2)}
+LAUNCHES = {
+    "test_training_steps_never_wait_for_the_gpu": (0, 0, 1),
+    "test_each_script_trains_on_cuda": (2, 6, 1),
+    "test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu": (0, 1, 1),
+    "test_a_checkpoint_moves_between_gpu_and_cpu": (4, 0, 1),
+    "test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run": (0, 3, 1),
+    "test_the_training_loop_reads_the_gpu_only_at_progress_lines": (0, 2, 1),
+    "test_data_parallel_over_two_gpus_equals_one_gpu": (2, 0, 2),
+}
 
 
 def env():
@@ -103,22 +121,26 @@ def test_training_steps_never_wait_for_the_gpu():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            losses = [step(autocast, 0.01 * (0.9 ** i)) for i in range(5)]
+            losses = [step(autocast, 0.01 * (0.9**i)) for i in range(5)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert all(math.isfinite(loss.item()) for loss in losses), losses
 
 
-@pytest.mark.parametrize("mode,extra", [
-    ("single", []),
-    ("dp", []),
-    ("ddp", [1]),  # N before the script's arguments: run.sh's own
-    ("launch", [1]),
-    ("amp", [1, "--amp-dtype", "bf16"]),
-    ("amp", [1, "--amp-dtype", "fp16", "--clip-grad", FP16_CLIP]),
-    ("ddp", [1, "--sync-bn"]),
-    ("fsdp", [1]),
-], ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn", "fsdp"])
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("single", []),
+        ("dp", []),
+        ("ddp", [1]),  # N before the script's arguments: run.sh's own
+        ("launch", [1]),
+        ("amp", [1, "--amp-dtype", "bf16"]),
+        ("amp", [1, "--amp-dtype", "fp16", "--clip-grad", FP16_CLIP]),
+        ("ddp", [1, "--sync-bn"]),
+        ("fsdp", [1]),
+    ],
+    ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn", "fsdp"],
+)
 def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
     nproc, flags = ([extra[0]], extra[1:]) if extra and isinstance(extra[0], int) else ([], extra)
     proc = run_sh(mode, *nproc, *args_for(tiny_data, tmp_path / "run", *flags), env=env())
@@ -130,8 +152,7 @@ def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
         assert (f"split over {gpus} device(s)" if gpus > 1 else "training unwrapped on cuda") in proc.stdout
     if "fp16" in flags:  # the GradScaler ran: it counted steps without inf/NaN since its scale last changed
         scaler = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["scaler"]
-        assert scaler and scaler["scale"] > 0 and (scaler["_growth_tracker"] > 0 or scaler["scale"] != 2.0 ** 16), \
-            scaler
+        assert scaler and scaler["scale"] > 0 and (scaler["_growth_tracker"] > 0 or scaler["scale"] != 2.0**16), scaler
 
 
 def test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu(tiny_data, tmp_path):
@@ -139,22 +160,44 @@ def test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu(tiny_data, tmp_p
     cores), the loader workers follow the cores, and last.pt holds CPU tensors only: plain torch.load, with no
     map_location, opens it in a process that sees no GPU."""
     out = tmp_path / "run"
-    check = ("import atexit, runpy, sys, torch\n"
-             "atexit.register(lambda: print('cudnn.benchmark', torch.backends.cudnn.benchmark, flush=True))\n"
-             "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    check = (
+        "import atexit, runpy, sys, torch\n"
+        "atexit.register(lambda: print('cudnn.benchmark', torch.backends.cudnn.benchmark, flush=True))\n"
+        "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     (tmp_path / "check.py").write_text(check)
-    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                              str(tmp_path / "check.py"), "train_ddp_amp.py", *args_for(tiny_data, out)], cwd=REPO,
-                             env=env(), capture_output=True, text=True, timeout=180))
+    proc = ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=1",
+                str(tmp_path / "check.py"),
+                "train_ddp_amp.py",
+                *args_for(tiny_data, out),
+            ],
+            cwd=REPO,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    )
     assert "cudnn.benchmark True" in proc.stdout, proc.stdout[-2000:]
     cores = len(os.sched_getaffinity(0))
     assert f"loader workers per process: {max(1, cores - 1)};" in proc.stdout, proc.stdout[:2000]
     state = torch.load(out / "last.pt", map_location="cpu", weights_only=True)["model"]
     weight = state["conv1.weight"]
     assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous(), weight.stride()
-    opened = subprocess.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=True)",
-                             str(out / "last.pt")], env={**env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                            text=True, timeout=120)
+    opened = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=True)", str(out / "last.pt")],
+        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert opened.returncode == 0, opened.stderr[-2000:]
 
 
@@ -165,8 +208,9 @@ def test_a_checkpoint_moves_between_gpu_and_cpu(tiny_data, tmp_path, first, then
     out = tmp_path / "run"
     epoch1 = args_for(tiny_data, out, "--epochs", "1", "--device", first)
     check_run(run_sh("single", *epoch1, env=env()), out, first, trained=False)
-    resumed = run_sh("single", *args_for(tiny_data, out, "--epochs", "2", "--device", then, "--resume", "auto"),
-                     env=env())
+    resumed = run_sh(
+        "single", *args_for(tiny_data, out, "--epochs", "2", "--device", then, "--resume", "auto"), env=env()
+    )
     assert check_run(resumed, out, then)["epochs"] == 2
     assert_resumed_after(resumed.stdout, step=6)  # 6 steps an epoch
     assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 2
@@ -181,8 +225,9 @@ def test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run(tiny_data, 
     finish(job, lines, timeout=60)
     checkpoint = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
     assert checkpoint["epoch"] == 0 and checkpoint["samples"] in (16, 24), checkpoint["samples"]
-    resumed = run_sh("ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1", "--resume", "auto"),
-                     env=env())
+    resumed = run_sh(
+        "ddp", 1, *args_for(tiny_data, tmp_path / "killed", "--save-every", "1", "--resume", "auto"), env=env()
+    )
     check_run(resumed, tmp_path / "killed")
     assert_resumed_after(resumed.stdout, step=checkpoint_step(checkpoint, 6))
 
@@ -201,19 +246,44 @@ def test_the_training_loop_reads_the_gpu_only_at_progress_lines(tiny_data, tmp_p
     work never drained between the other steps. (fp16's GradScaler adds one read per step: bf16 here.) The CUDA
     runtime's own synchronize calls are DDP's runtime statistics, on its steps 1-10 only: at most one a step."""
     out = tmp_path / "run"
-    proc = ok(run_sh(mode, 1, "--img-size", "32", "-b", "2", "--epochs", "1", "--val-fraction", "0.25",
-                     "--data-path", tiny_data, "--profile", "10", "--output-dir", out, env=env()))
+    proc = ok(
+        run_sh(
+            mode,
+            1,
+            "--img-size",
+            "32",
+            "-b",
+            "2",
+            "--epochs",
+            "1",
+            "--val-fraction",
+            "0.25",
+            "--data-path",
+            tiny_data,
+            "--profile",
+            "10",
+            "--output-dir",
+            out,
+            env=env(),
+        )
+    )
     assert f"python tools/profile_report.py {out / 'trace.json'}" in proc.stdout, proc.stdout[-2000:]
-    report = subprocess.run([sys.executable, "tools/profile_report.py", str(out / "trace.json"), "--json"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)  # host-side events only
+    report = subprocess.run(
+        [sys.executable, "tools/profile_report.py", str(out / "trace.json"), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # host-side events only
     figures = json.loads(report.stdout)
     print(mode, figures)  # the report shows what was measured
     assert figures["steps"] == 10 and figures["host_reads_per_step"] == pytest.approx(0.2), figures
     assert figures["cuda_syncs_per_step"] <= 1, figures
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="DataParallel needs 2 GPUs; with one, train_dp.py trains the module unwrapped")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="DataParallel needs 2 GPUs; with one, train_dp.py trains the module unwrapped"
+)
 def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
     """train_dp.py wraps the model in nn.DataParallel over every visible GPU: each step splits the batch of 16
     between them and gathers the outputs on the first. With --freeze (BatchNorm statistics fixed, only the head
@@ -221,8 +291,21 @@ def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
     within rounding (TF32 convolutions): far closer than the distance it moved. A lost replica's gradient, or one
     counted twice, would change the head's step by a third or more."""
     gpus = torch.cuda.device_count()
-    common = ["--img-size", "32", "-b", "16", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25",
-              "--freeze", "--data-path", tiny_data]
+    common = [
+        "--img-size",
+        "32",
+        "-b",
+        "16",
+        "--epochs",
+        "2",
+        "--print-freq",
+        "1",
+        "--val-fraction",
+        "0.25",
+        "--freeze",
+        "--data-path",
+        tiny_data,
+    ]
     dp = ok(run_sh("dp", *common, "--output-dir", tmp_path / "dp", env=env()))
     assert f"global batch 16 split over {gpus} device(s)" in dp.stdout and "unwrapped" not in dp.stdout, dp.stdout
     ok(run_sh("single", *common, "--output-dir", tmp_path / "single", env=env()))

@@ -1,6 +1,7 @@
 """Right on the hardware people have, proven on the CPU: what the scripts choose by default for the machine (loader
 workers, bf16 where the CPU computes it), checkpoints that open on any machine, and the GPU check that sizes its
 limits from a measured launch and fails on a crashed bench row. What needs a GPU is in tests/test_gpu.py."""
+
 import json
 import sys
 import types
@@ -39,8 +40,13 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-             "nested": [(torch.ones(2), {"x": torch.zeros(1)})], "epoch": 1}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+        "nested": [(torch.ones(2), {"x": torch.zeros(1)})],
+        "epoch": 1,
+    }
     tensors = []
 
     def count(value):
@@ -50,6 +56,7 @@ def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
             [count(v) for v in value.values()]
         elif isinstance(value, (list, tuple)):
             [count(v) for v in value]
+
     count(state)
     moved = []
     real_cpu = torch.Tensor.cpu
@@ -73,8 +80,9 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_amp, tiny_data, t
     assert refused.returncode == 1 and len(errors) == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "no bf16 arithmetic" in errors[0] and "--amp-dtype bf16" in errors[0] and "bash run.sh ddp" in errors[0]
     assert "Traceback" not in refused.stderr and not (out / "refused" / "last.pt").exists()
-    assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), \
+    assert any(line.startswith("warn  CPU bf16: no bf16 arithmetic") for line in doctor.stdout.splitlines()), (
         doctor.stdout
+    )
     if dist_utils.cpu_computes_bf16():  # this machine's own CPU computes it: a run made to look like one that cannot
         asked = ok(run_sh("amp", 1, *args, *BF16, "--output-dir", out / "asked", env=job_env(**AVX2_ONLY))).stdout
         native = run([sys.executable, *check], timeout=120)
@@ -100,6 +108,7 @@ def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
     measured cost of a launch; on one GPU as on eight the guessed costs leave the bench rows their first 90 s."""
     import ast
     import gpucheck
+
     tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
     tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
     assert set(gpucheck.launches()) == tests
@@ -115,6 +124,7 @@ def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsy
     """An NVIDIA device on the machine (here: a stand-in nvidia-smi) and a torch that cannot use CUDA (a wheel built
     for a newer driver): one error line and exit status 1, not "skipped"."""
     import gpucheck
+
     monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI 535.00'\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
@@ -139,6 +149,7 @@ def test_bench_exits_with_status_1_when_a_gpu_row_crashes(monkeypatch, tmp_path)
         if "in-memory-single" in cmd:
             raise RuntimeError(f"timed out after {timeout} s: the limit")
         return {"img_s": 2.0}
+
     monkeypatch.setattr(bench, "make_jpegs", lambda *args: None)
     monkeypatch.setattr(bench, "in_memory", lambda script, folder: "in-memory-" + script.split("_")[-1][:-3])
     monkeypatch.setattr(bench, "train", train)

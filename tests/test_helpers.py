@@ -2,6 +2,7 @@
 checks, a dataset's items, normalisation, checkpoint files, the sharded reader, the run folder's lock, the lines
 that known failures end with). The scripts reach each of these by the same call; the jobs of the other modules show
 that they do."""
+
 import argparse
 import os
 import pickle
@@ -42,8 +43,12 @@ print("imported")
 def test_a_copier_pays_only_for_the_helpers_of_its_rung():
     """utils.py (all that train_single.py and train_dp.py import) and dist_utils.py (what the DDP rungs add) import
     without torchvision and without FSDP's checkpoint machinery, and utils.py uses nothing of torch.distributed."""
-    proc = subprocess.run([sys.executable, "-c", HELPERS_ALONE, str(Path(utils.__file__).parent)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", HELPERS_ALONE, str(Path(utils.__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout == "imported\n", proc.stderr[-2000:]
     source = Path(utils.__file__).read_text()
     assert "torch.distributed" not in source and "import dist" not in source
@@ -59,23 +64,26 @@ def parse(*args):
     return utils.check_args(parser.parse_args(list(args)))
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--lr", "-1"], "--lr must be positive, got -1.0"),
-    (["--lr", "0"], "--lr must be positive, got 0.0"),
-    (["--lr", "nan"], "--lr must be positive, got nan"),
-    (["--clip-grad", "-1"], "--clip-grad must be 0 or more, got -1.0"),
-    (["--clip-grad", "inf"], "--clip-grad must be 0 or more, got inf"),
-    (["--seed", "-3"], "--seed must be 0 or more, got -3"),
-    (["--seed", str(2**64)], "--seed must be below 2**62"),
-    (["--hsdp", "-2"], "--hsdp must be 0 or more, got -2"),
-    (["--dist-timeout", "0"], "--dist-timeout must be positive, got 0"),
-    (["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
-    (["--save-every", "-1"], "--save-every must be 0 or more, got -1"),
-    (["--profile", "-1"], "--profile must be 0 or more, got -1"),
-    (["--workers", "-1"], "--workers must be 0 or more, got -1"),
-    (["--print-freq", "0"], "--print-freq must be positive, got 0"),
-    (["--img-size", "-32"], "--img-size must be positive, got -32"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--lr", "-1"], "--lr must be positive, got -1.0"),
+        (["--lr", "0"], "--lr must be positive, got 0.0"),
+        (["--lr", "nan"], "--lr must be positive, got nan"),
+        (["--clip-grad", "-1"], "--clip-grad must be 0 or more, got -1.0"),
+        (["--clip-grad", "inf"], "--clip-grad must be 0 or more, got inf"),
+        (["--seed", "-3"], "--seed must be 0 or more, got -3"),
+        (["--seed", str(2**64)], "--seed must be below 2**62"),
+        (["--hsdp", "-2"], "--hsdp must be 0 or more, got -2"),
+        (["--dist-timeout", "0"], "--dist-timeout must be positive, got 0"),
+        (["--accum-steps", "0"], "--accum-steps must be positive, got 0"),
+        (["--save-every", "-1"], "--save-every must be 0 or more, got -1"),
+        (["--profile", "-1"], "--profile must be 0 or more, got -1"),
+        (["--workers", "-1"], "--workers must be 0 or more, got -1"),
+        (["--print-freq", "0"], "--print-freq must be positive, got 0"),
+        (["--img-size", "-32"], "--img-size must be positive, got -32"),
+    ],
+)
 def test_every_numeric_flag_is_checked_by_name(args, words):
     with pytest.raises(utils.UsageError, match=None) as refused:
         parse(*args)
@@ -92,30 +100,42 @@ def test_sensible_numbers_pass():
 
 
 # ------------------------------------------------------------------------------------ the device and backend
-@pytest.mark.parametrize("requested,accelerator,count,processes,expected", [
-    (None, None, 0, 0, "cpu"), (None, "cuda", 4, 0, "cuda"), (None, "xpu", 2, 0, "xpu"), (None, "mps", 1, 0, "mps"),
-    ("cuda:1", "cuda", 2, 0, "cuda:1"), ("cpu", "cuda", 4, 0, "cpu"),  # one process: any device it names
-    (None, "cuda", 4, 4, "cuda"), (None, "xpu", 2, 2, "xpu"),  # a launcher: the rung takes its local rank's index
-    (None, "mps", 1, 2, "cpu"),  # Apple's GPU has no backend between processes: they meet on the CPU
-    (None, None, 0, 2, "cpu"),
-])
+@pytest.mark.parametrize(
+    "requested,accelerator,count,processes,expected",
+    [
+        (None, None, 0, 0, "cpu"),
+        (None, "cuda", 4, 0, "cuda"),
+        (None, "xpu", 2, 0, "xpu"),
+        (None, "mps", 1, 0, "mps"),
+        ("cuda:1", "cuda", 2, 0, "cuda:1"),
+        ("cpu", "cuda", 4, 0, "cpu"),  # one process: any device it names
+        (None, "cuda", 4, 4, "cuda"),
+        (None, "xpu", 2, 2, "xpu"),  # a launcher: the rung takes its local rank's index
+        (None, "mps", 1, 2, "cpu"),  # Apple's GPU has no backend between processes: they meet on the CPU
+        (None, None, 0, 2, "cpu"),
+    ],
+)
 def test_the_device_for_each_accelerator(requested, accelerator, count, processes, expected, capsys):
     """What a machine with CUDA (and ROCm, which poses as CUDA), an Intel GPU (XPU), Apple's MPS or only a CPU gets,
     as the function the scripts call decides it (utils.get_device gives it torch.accelerator's answers)."""
     assert utils.choose_device(requested, accelerator, count, processes) == torch.device(expected)
     if accelerator == "mps" and processes:
-        assert capsys.readouterr().out.startswith("Apple MPS has no backend for several processes: they train on the "
-                                                  "CPU (gloo)")
+        assert capsys.readouterr().out.startswith(
+            "Apple MPS has no backend for several processes: they train on the CPU (gloo)"
+        )
 
 
-@pytest.mark.parametrize("requested,accelerator,count,processes,words", [
-    ("cuda", None, 0, 0, "--device cuda: this machine has no usable cuda GPU; use --device cpu"),
-    ("xpu", "cuda", 2, 0, "--device xpu: this machine has no usable xpu GPU; use --device cuda"),
-    ("cuda:1", "cuda", 4, 2, "under a launcher each process uses the GPU of its local rank"),
-    (None, "cuda", 2, 4, "4 processes on this node but only 2 GPU(s)"),
-    ("cuda:3", "cuda", 2, 0, "--device cuda:3: only 2 GPU(s) visible"),
-    ("gpu", "cuda", 1, 0, "--device gpu is not a device name; use cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "requested,accelerator,count,processes,words",
+    [
+        ("cuda", None, 0, 0, "--device cuda: this machine has no usable cuda GPU; use --device cpu"),
+        ("xpu", "cuda", 2, 0, "--device xpu: this machine has no usable xpu GPU; use --device cuda"),
+        ("cuda:1", "cuda", 4, 2, "under a launcher each process uses the GPU of its local rank"),
+        (None, "cuda", 2, 4, "4 processes on this node but only 2 GPU(s)"),
+        ("cuda:3", "cuda", 2, 0, "--device cuda:3: only 2 GPU(s) visible"),
+        ("gpu", "cuda", 1, 0, "--device gpu is not a device name; use cpu, cuda or cuda:N"),
+    ],
+)
 def test_a_device_that_cannot_be_used_is_refused_in_one_line(requested, accelerator, count, processes, words):
     with pytest.raises(utils.UsageError, match=re.escape(words)):
         utils.choose_device(requested, accelerator, count, processes)
@@ -143,40 +163,48 @@ class Items(torch.utils.data.Dataset):
 GOOD = (torch.zeros(1, 28, 28, dtype=torch.uint8), 2)
 
 
-@pytest.mark.parametrize("item,words", [
-    ({"image": GOOD[0], "label": 1}, "its first is a dict with keys 'image', 'label': return (item[input key]"),
-    ((Image.new("L", (28, 28)), 1), "its first is (PIL.Image.Image, ...): convert the input in the dataset"),
-    ((numpy.zeros((1, 28, 28), dtype=numpy.uint8), 1), "(numpy.ndarray, ...)"),
-    ((GOOD[0].short(), 1), "(torch.int16 input, ...): give uint8 images"),
-    ((torch.from_numpy(numpy.zeros((1, 28, 28))), 1), "(float64 input, ...): give float32, e.g. torch.from_numpy("),
-    ((torch.zeros(28, 28, 3, dtype=torch.uint8), 1), "(uint8 image of shape (28, 28, 3), ...): channels last (H, W, "
-                                                      "C); give (C, H, W)"),
-    ((GOOD[0], 3), "(input, 3: a label is an int from 0 to 2"),
-    ((GOOD[0], -1), "(input, -1: "),
-    ((GOOD[0], 1.0), "(input, 1.0: "),
-    ((GOOD[0], torch.tensor([1, 0])), "(input, tensor([1, 0]): "),
-    ((GOOD[0],), "its first is a tuple of 1"),
-    (GOOD[0], "its first is a Tensor"),
-])
+@pytest.mark.parametrize(
+    "item,words",
+    [
+        ({"image": GOOD[0], "label": 1}, "its first is a dict with keys 'image', 'label': return (item[input key]"),
+        ((Image.new("L", (28, 28)), 1), "its first is (PIL.Image.Image, ...): convert the input in the dataset"),
+        ((numpy.zeros((1, 28, 28), dtype=numpy.uint8), 1), "(numpy.ndarray, ...)"),
+        ((GOOD[0].short(), 1), "(torch.int16 input, ...): give uint8 images"),
+        ((torch.from_numpy(numpy.zeros((1, 28, 28))), 1), "(float64 input, ...): give float32, e.g. torch.from_numpy("),
+        (
+            (torch.zeros(28, 28, 3, dtype=torch.uint8), 1),
+            "(uint8 image of shape (28, 28, 3), ...): channels last (H, W, C); give (C, H, W)",
+        ),
+        ((GOOD[0], 3), "(input, 3: a label is an int from 0 to 2"),
+        ((GOOD[0], -1), "(input, -1: "),
+        ((GOOD[0], 1.0), "(input, 1.0: "),
+        ((GOOD[0], torch.tensor([1, 0])), "(input, tensor([1, 0]): "),
+        ((GOOD[0],), "its first is a tuple of 1"),
+        (GOOD[0], "its first is a Tensor"),
+    ],
+)
 def test_a_wrong_item_is_named_with_the_contract(item, words):
     """utils.check_datasets with the rungs' default target_problem (a classifier's int label)."""
     with pytest.raises(utils.UsageError) as refused:
         utils.check_datasets(Items(item), Items(GOOD), ["a", "b", "c"], train_single.target_problem)
     message = str(refused.value)
-    assert message.startswith("the training set's items must be (input tensor, target) pairs; ") and words in \
-        message, message
+    assert message.startswith("the training set's items must be (input tensor, target) pairs; ") and words in message, (
+        message
+    )
     assert "\n" not in message
 
 
 @pytest.mark.parametrize("label", [2, torch.tensor(2), numpy.int64(2), torch.tensor(2, dtype=torch.uint8)])
 def test_labels_as_ints_tensors_and_numpy_scalars_pass(label):
-    utils.check_datasets(Items((GOOD[0], label)), Items((torch.zeros(3, 8, 8), 0)), ["a", "b", "c"],
-                         train_single.target_problem)
+    utils.check_datasets(
+        Items((GOOD[0], label)), Items((torch.zeros(3, 8, 8), 0)), ["a", "b", "c"], train_single.target_problem
+    )
 
 
 def test_a_task_checks_its_own_targets():
     """Another task's target_problem decides what a target must be: a multi-label vector passes its check and fails
     the classifier's; (3, 8, 8) uint8 images, channels first, pass."""
+
     def multi_label(target, names):
         return None if torch.is_tensor(target) and target.shape == (len(names),) else f"{target!r}: one 0/1 per label"
 
@@ -197,10 +225,16 @@ def test_auxiliary_outputs_are_split_from_the_main_one():
     """Tuples and namedtuples (GoogLeNet's and Inception's, whose aux may be None) and dicts (torchvision's
     segmentation models: "out" and "aux"; else the first entry is the main one)."""
     from torchvision.models import InceptionOutputs
+
     main, aux = torch.ones(2, 3), torch.zeros(2, 3)
-    for outputs, expected in ((main, []), ((main, aux), [aux]), (InceptionOutputs(main, None), []),
-                              (InceptionOutputs(main, aux), [aux]), ({"aux": aux, "out": main}, [aux]),
-                              ({"logits": main}, [])):
+    for outputs, expected in (
+        (main, []),
+        ((main, aux), [aux]),
+        (InceptionOutputs(main, None), []),
+        (InceptionOutputs(main, aux), [aux]),
+        ({"aux": aux, "out": main}, [aux]),
+        ({"logits": main}, []),
+    ):
         found, auxiliary = utils.split_outputs(outputs)
         assert found is main and len(auxiliary) == len(expected) and all(a is b for a, b in zip(auxiliary, expected))
 
@@ -210,19 +244,28 @@ def test_the_default_loss_adds_auxiliary_outputs_and_adamw_skips_norms_and_biase
     targets = torch.tensor([0, 1, 2, 1])
     plain = torch.nn.functional.cross_entropy(logits, targets)
     assert train_single.compute_loss(logits, targets) == plain
-    assert torch.allclose(train_single.compute_loss({"out": logits, "aux": aux}, targets),
-                          plain + 0.4 * torch.nn.functional.cross_entropy(aux, targets))
-    model = torchvision.models.VisionTransformer(image_size=16, patch_size=4, num_layers=1, num_heads=2,
-                                                 hidden_dim=8, mlp_dim=16, num_classes=3)
+    assert torch.allclose(
+        train_single.compute_loss({"out": logits, "aux": aux}, targets),
+        plain + 0.4 * torch.nn.functional.cross_entropy(aux, targets),
+    )
+    model = torchvision.models.VisionTransformer(
+        image_size=16, patch_size=4, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=3
+    )
     args = argparse.Namespace(opt="adamw", weight_decay=0.05)
     optimizer = train_single.build_optimizer(args, model, 1e-3)
     decayed, not_decayed = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
     names = {id(p): name for name, p in model.named_parameters()}
     assert optimizer.param_groups[1]["weight_decay"] == 0.0 and optimizer.param_groups[0]["weight_decay"] == 0.05
-    assert {names[i] for i in not_decayed} >= {"class_token", "encoder.pos_embedding", "heads.head.bias",
-                                              "encoder.ln.weight"}
+    assert {names[i] for i in not_decayed} >= {
+        "class_token",
+        "encoder.pos_embedding",
+        "heads.head.bias",
+        "encoder.ln.weight",
+    }
     assert {names[i] for i in decayed} == {name for name, p in model.named_parameters() if p.ndim > 1} - {
-        "class_token", "encoder.pos_embedding"}
+        "class_token",
+        "encoder.pos_embedding",
+    }
     sgd = train_single.build_optimizer(argparse.Namespace(opt="sgd", weight_decay=1e-4), model, 0.1)
     assert len(sgd.param_groups) == 1 and sgd.param_groups[0]["weight_decay"] == 1e-4  # as before: every parameter
 
@@ -244,12 +287,15 @@ def test_uint8_images_of_any_channel_count_are_normalised_by_the_documented_rule
 
 
 def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
-    for images in ([torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8) for _ in range(4)],
-                   [torch.randn(1, 8, 8) for _ in range(4)]):
+    for images in (
+        [torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8) for _ in range(4)],
+        [torch.randn(1, 8, 8) for _ in range(4)],
+    ):
         log = utils.Logger(tmp_path, ["a", "b"], 1, 1, 4, 1)
         log.add_training_images(utils.SeededItems([(image, 0) for image in images], 0), 0)
         log.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert "train/augmented_images" in events.Tags()["images"]
@@ -260,8 +306,15 @@ def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
 def checkpoint_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoint")
     torch.manual_seed(0)
-    state = {"model": torchvision.models.resnet18(num_classes=3).state_dict(), "optimizer": {},
-             "args": {"model": "resnet18"}, "classes": ["a", "b", "c"], "samples": 0, "epoch": 1, "best": None}
+    state = {
+        "model": torchvision.models.resnet18(num_classes=3).state_dict(),
+        "optimizer": {},
+        "args": {"model": "resnet18"},
+        "classes": ["a", "b", "c"],
+        "samples": 0,
+        "epoch": 1,
+        "best": None,
+    }
     utils.save_checkpoint(state, folder, is_best=True)
     return folder / "last.pt"
 
@@ -271,14 +324,15 @@ def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(ch
     run.mkdir()
     shutil.copy(checkpoint_file.with_name("best.pt"), run / "best.pt")
     data = checkpoint_file.read_bytes()
-    (run / "last.pt").write_bytes(data[:len(data) // 3])
+    (run / "last.pt").write_bytes(data[: len(data) // 3])
     with pytest.raises(utils.UsageError) as refused:
         utils.load_checkpoint(run / "last.pt", ["a", "b", "c"])
     message = str(refused.value)
     assert "not a readable checkpoint, perhaps cut short (" in message, message
     best = run / "best.pt"
-    assert message.endswith(f"; {best} is intact: continue from it with --resume {best}, or start from its weights "
-                            f"with --weights {best}"), message
+    assert message.endswith(
+        f"; {best} is intact: continue from it with --resume {best}, or start from its weights with --weights {best}"
+    ), message
     assert "(PytorchStreamReader failed reading zip archive: failed finding central directory); " in message  # whole
     (run / "best.pt").write_bytes(data[:100])  # no intact best.pt: nothing promised
     with pytest.raises(utils.UsageError) as refused:
@@ -328,6 +382,7 @@ def test_a_full_disk_says_no_space_left(tmp_path):
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """A run folder with a sharded checkpoint as train_fsdp.py saves it (one process), and a state to load it into."""
+
     def state(lr):
         torch.manual_seed(0)
         model = torchvision.models.resnet18(num_classes=3)
@@ -335,6 +390,7 @@ def sharded(tmp_path_factory):
         model(torch.randn(2, 3, 32, 32)).sum().backward()
         optimizer.step()
         return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+
     run = tmp_path_factory.mktemp("run")
     with pytest.warns(UserWarning, match="single process"):
         dcp.save(state(0.1), checkpoint_id=run / "last-step1-1.dcp")
@@ -374,13 +430,25 @@ def test_a_crafted_item_runs_no_code(sharded, tmp_path):
         dcp.save(crafted, checkpoint_id=tmp_path / "last-step1-1.dcp")
     with pytest.raises(BaseException) as refused:  # dcp's CheckpointException, which the rung ends in one line
         load(tmp_path, "last-step1-1.dcp", state(0.5))
-    assert utils.failure_of_every_rank(refused.value).startswith("--resume: the sharded checkpoint holds Python "
-                                                                 "objects besides tensors")
+    assert utils.failure_of_every_rank(refused.value).startswith(
+        "--resume: the sharded checkpoint holds Python objects besides tensors"
+    )
     assert not (tmp_path / "code-ran").exists()
 
 
-@pytest.mark.parametrize("name", ["../elsewhere/last-step1-1.dcp", "/tmp", "last-step1-1.dcp/..", "linked.dcp",
-                                  "last-link.dcp", "", None, ["a list"]])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../elsewhere/last-step1-1.dcp",
+        "/tmp",
+        "last-step1-1.dcp/..",
+        "linked.dcp",
+        "last-link.dcp",
+        "",
+        None,
+        ["a list"],
+    ],
+)
 def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
     run, _ = sharded
     (tmp_path / "elsewhere").mkdir()
@@ -399,8 +467,10 @@ def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
     with pytest.raises(utils.UsageError) as refused:
         utils.claim_output_dir(tmp_path / "taken" / "run")
-    assert str(refused.value) == (f"cannot write into {tmp_path / 'taken' / 'run'} (Not a directory): choose another "
-                                  f"--output-dir, or make that one writable"), refused.value
+    assert str(refused.value) == (
+        f"cannot write into {tmp_path / 'taken' / 'run'} (Not a directory): choose another "
+        f"--output-dir, or make that one writable"
+    ), refused.value
 
 
 def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
@@ -431,27 +501,52 @@ def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the lines failures end with
-@pytest.mark.parametrize("error,line", [
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for "
-                  "recv operation to complete"),
-     "error: the other processes did not all answer within --dist-timeout (Timed out waiting 30000ms for recv "
-     "operation to complete): one is missing or stuck"),
-    (RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-                  "RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device"),
-     "error: /dev/shm holds "),
-    (RuntimeError("DataLoader worker (pid 123) is killed by signal: Bus error. It is possible that dataloader's "
-                  "workers are out of shared memory. Please try to raise your shared memory limit."),
-     "error: /dev/shm holds "),
-    (RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. ...\n"
-                  "Parameter indices which did not receive grad for rank 0: 62 63\n In addition, ..."),
-     "error: some parameters got no gradient in the last step (62 63): the model holds a module that forward() "
-     "does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line"),
-    (ValueError("Expected more than 1 value per channel when training, got input size torch.Size([1, 512, 1, 1])"),
-     "error: a BatchNorm layer saw one value per channel in training (got input size torch.Size([1, 512, 1, 1])): "
-     "raise --batch-size (images per process) or --img-size"),
-    (RuntimeError("Error(s) in loading state_dict for Sequential:\n\tMissing key(s) in state_dict: \"2.weight\"."),
-     "error: the checkpoint's weights do not fit this model (Error(s) in loading state_dict for Sequential:); "),
-])
+@pytest.mark.parametrize(
+    "error,line",
+    [
+        (
+            RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for "
+                "recv operation to complete"
+            ),
+            "error: the other processes did not all answer within --dist-timeout (Timed out waiting 30000ms for recv "
+            "operation to complete): one is missing or stuck",
+        ),
+        (
+            RuntimeError(
+                "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                "RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device"
+            ),
+            "error: /dev/shm holds ",
+        ),
+        (
+            RuntimeError(
+                "DataLoader worker (pid 123) is killed by signal: Bus error. It is possible that dataloader's "
+                "workers are out of shared memory. Please try to raise your shared memory limit."
+            ),
+            "error: /dev/shm holds ",
+        ),
+        (
+            RuntimeError(
+                "Expected to have finished reduction in the prior iteration before starting a new one. ...\n"
+                "Parameter indices which did not receive grad for rank 0: 62 63\n In addition, ..."
+            ),
+            "error: some parameters got no gradient in the last step (62 63): the model holds a module that forward() "
+            "does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line",
+        ),
+        (
+            ValueError(
+                "Expected more than 1 value per channel when training, got input size torch.Size([1, 512, 1, 1])"
+            ),
+            "error: a BatchNorm layer saw one value per channel in training "
+            "(got input size torch.Size([1, 512, 1, 1])): raise --batch-size (images per process) or --img-size",
+        ),
+        (
+            RuntimeError('Error(s) in loading state_dict for Sequential:\n\tMissing key(s) in state_dict: "2.weight".'),
+            "error: the checkpoint's weights do not fit this model (Error(s) in loading state_dict for Sequential:); ",
+        ),
+    ],
+)
 def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as ended:
@@ -475,9 +570,11 @@ def test_a_sparse_gradient_under_the_default_optimizers_is_one_line(opt, capsys,
             optimizer.step()
     err = capsys.readouterr().err
     assert ended.value.code == 1 and err.count("\n") == 1, err
-    assert err.startswith("error: a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer (") and \
-        err.endswith("use sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
-                     "(docs/adapting.md)\n"), err
+    assert err.startswith(
+        "error: a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ("
+    ) and err.endswith(
+        "use sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters (docs/adapting.md)\n"
+    ), err
 
 
 def test_other_failures_keep_their_traceback(capsys):
@@ -492,6 +589,7 @@ def test_a_steps_randomness_is_a_function_of_seed_rank_epoch_and_step():
     def masks(seed, epoch, step):
         utils.seed_step(seed, epoch, step)
         return torch.nn.functional.dropout(torch.ones(64), 0.5)
+
     torch.manual_seed(123)  # whatever came before
     first = masks(0, 1, 5)
     torch.rand(1000)
@@ -500,11 +598,12 @@ def test_a_steps_randomness_is_a_function_of_seed_rank_epoch_and_step():
     assert not torch.equal(masks(0, 2, 5), first)
 
 
-
 def test_each_rank_draws_its_own_randomness(monkeypatch):
     """Separate GPUs would not share Dropout masks: rank 1's step differs from rank 0's, and repeats itself."""
+
     def masks(rank):
         monkeypatch.setenv("RANK", str(rank))  # as the launcher sets it
         utils.seed_step(0, 1, 5)
         return torch.nn.functional.dropout(torch.ones(64), 0.5)
+
     assert not torch.equal(masks(0), masks(1)) and torch.equal(masks(1), masks(1))

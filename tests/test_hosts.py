@@ -6,6 +6,7 @@ torchrun, left to the hostname, never forms the job. One `bash run.sh ddp 1` age
 Needs root and `ip netns` (skipped otherwise). The namespaces have names of their own and are removed whatever
 happens; every process is bounded in time.
 """
+
 import contextlib
 import os
 import re
@@ -33,11 +34,18 @@ def veth_pair(prefix, subnet):
     tag, net = f"{os.getpid() % 100000:05d}", f"10.{subnet}.{os.getpid() % 250}"
     made = {x: (f"{prefix}h{tag}{x}", f"{net}.{n}", f"{prefix}v{tag}{x}") for n, x in enumerate("ab", 1)}
     (ns_a, _, if_a), (ns_b, _, if_b) = made["a"], made["b"]
-    steps = [["netns", "add", ns_a], ["netns", "add", ns_b],
-             ["link", "add", if_a, "type", "veth", "peer", "name", if_b]]
+    steps = [
+        ["netns", "add", ns_a],
+        ["netns", "add", ns_b],
+        ["link", "add", if_a, "type", "veth", "peer", "name", if_b],
+    ]
     for ns, address, interface in made.values():
-        steps += [["link", "set", interface, "netns", ns], ["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
-                  ["-n", ns, "link", "set", interface, "up"], ["-n", ns, "link", "set", "lo", "up"]]
+        steps += [
+            ["link", "set", interface, "netns", ns],
+            ["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
+            ["-n", ns, "link", "set", interface, "up"],
+            ["-n", ns, "link", "set", "lo", "up"],
+        ]
     try:
         for step in steps:
             result = ip(*step)
@@ -63,9 +71,18 @@ def in_host(host, command, hostname=None, hosts_file=None):
     prefix = ["ip", "netns", "exec", host[0]]
     if hostname is None:
         return prefix + command
-    return prefix + ["unshare", "--uts", "--mount", "sh", "-c",
-                     'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"', "sh",
-                     str(hosts_file), hostname, *command]
+    return prefix + [
+        "unshare",
+        "--uts",
+        "--mount",
+        "sh",
+        "-c",
+        'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
+        "sh",
+        str(hosts_file),
+        hostname,
+        *command,
+    ]
 
 
 # The network is under test here, not the loader: data loading in the main process (the sample stream is the same
@@ -76,29 +93,50 @@ BOUNDED = ["--workers", "0", "--dist-timeout", "60"]
 
 def nodes_env(master_addr, **extra):
     """Two nodes; RDZV_TIMEOUT bounds every wait for the other node (they meet within seconds when they can)."""
-    return {**job_env(), "NNODES": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
-            "RDZV_ID": f"hosts-{os.getpid()}-{time.time_ns()}", **extra}
+    return {
+        **job_env(),
+        "NNODES": "2",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": "29500",
+        "RDZV_TIMEOUT": "120",
+        "RDZV_ID": f"hosts-{os.getpid()}-{time.time_ns()}",
+        **extra,
+    }
 
 
 def test_two_hosts_train_with_master_addr_an_address_and_match_one_node(hosts, default_ddp, tiny_data, tmp_path):
     """The README's command on each host, MASTER_ADDR the first host's address. Without what run.sh derives, neither
     agent hosts the store (the hostname resolves to 127.0.0.1) and both fail after minutes."""
     (_, address_a, if_a), (_, address_b, if_b) = hosts["a"], hosts["b"]
-    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
-               str(tmp_path / "run")]
-    results = run_together([in_host(hosts["a"], command), in_host(hosts["b"], command)], env=nodes_env(address_a),
-                           timeout=300)
+    command = [
+        "bash",
+        "run.sh",
+        "ddp",
+        "1",
+        *DEFAULTS,
+        *BOUNDED,
+        "--data-path",
+        str(tiny_data),
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    results = run_together(
+        [in_host(hosts["a"], command), in_host(hosts["b"], command)], env=nodes_env(address_a), timeout=300
+    )
     assert [node.returncode for node in results] == [0, 0], results
     (out_a, err_a), (out_b, err_b) = ((node.stdout, node.stderr) for node in results)
-    assert (f"run.sh: this node holds MASTER_ADDR {address_a} and hosts the rendezvous; it uses "
-            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in err_a.splitlines()
-    assert (f"run.sh: this node joins the rendezvous at {address_a}:29500 (MASTER_ADDR); it uses "
-            f"--local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} NCCL_SOCKET_IFNAME={if_b}") in err_b.splitlines()
+    assert (
+        f"run.sh: this node holds MASTER_ADDR {address_a} and hosts the rendezvous; it uses "
+        f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}"
+    ) in err_a.splitlines()
+    assert (
+        f"run.sh: this node joins the rendezvous at {address_a}:29500 (MASTER_ADDR); it uses "
+        f"--local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} NCCL_SOCKET_IFNAME={if_b}"
+    ) in err_b.splitlines()
     assert (out_a + out_b).count("global batch 16 = 8 per process x 2 processes") == 1
     # 2 hosts x 1 process equal 1 machine x 2 processes (with loader workers), one thread each: bitwise, BatchNorm
     # training included
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_ddp / "last.pt"))
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
 
 
 def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(hosts, default_ddp, tiny_data, tmp_path):
@@ -108,16 +146,29 @@ def test_two_hosts_whose_hostnames_resolve_to_their_cluster_addresses_train(host
     (_, address_a, if_a), (_, address_b, _) = hosts["a"], hosts["b"]
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(f"127.0.0.1 localhost\n{address_a} rsnode-a\n{address_b} rsnode-b\n")
-    command = ["bash", "run.sh", "ddp", "1", *DEFAULTS, *BOUNDED, "--data-path", str(tiny_data), "--output-dir",
-               str(tmp_path / "run")]
-    results = run_together([in_host(hosts["a"], command, "rsnode-a", hosts_file),
-                            in_host(hosts["b"], command, "rsnode-b", hosts_file)], env=nodes_env("rsnode-a"),
-                           timeout=300)
+    command = [
+        "bash",
+        "run.sh",
+        "ddp",
+        "1",
+        *DEFAULTS,
+        *BOUNDED,
+        "--data-path",
+        str(tiny_data),
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    results = run_together(
+        [in_host(hosts["a"], command, "rsnode-a", hosts_file), in_host(hosts["b"], command, "rsnode-b", hosts_file)],
+        env=nodes_env("rsnode-a"),
+        timeout=300,
+    )
     assert [node.returncode for node in results] == [0, 0], results
-    assert (f"run.sh: this node holds MASTER_ADDR rsnode-a ({address_a}) and hosts the rendezvous; it uses "
-            f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}") in results[0].stderr
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_ddp / "last.pt"))
+    assert (
+        f"run.sh: this node holds MASTER_ADDR rsnode-a ({address_a}) and hosts the rendezvous; it uses "
+        f"--local-addr={address_a} GLOO_SOCKET_IFNAME={if_a} NCCL_SOCKET_IFNAME={if_a}"
+    ) in results[0].stderr
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
 
 
 def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp_path):
@@ -127,21 +178,28 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
     wrong = address_a.rsplit(".", 1)[0] + ".99"
     command = ["bash", "run.sh", "ddp", "1", "--epochs", "1", "--output-dir", str(tmp_path / "run")]
     timeout = 10
-    wrong_results = run_together([in_host(hosts["a"], command), in_host(hosts["b"], command)],
-                                 env=nodes_env(wrong, RDZV_TIMEOUT=str(timeout)), timeout=120)
-    closed = run_together([in_host(hosts["b"], command)], env=nodes_env(address_a, RDZV_TIMEOUT=str(timeout)),
-                          timeout=120)
+    wrong_results = run_together(
+        [in_host(hosts["a"], command), in_host(hosts["b"], command)],
+        env=nodes_env(wrong, RDZV_TIMEOUT=str(timeout)),
+        timeout=120,
+    )
+    closed = run_together(
+        [in_host(hosts["b"], command)], env=nodes_env(address_a, RDZV_TIMEOUT=str(timeout)), timeout=120
+    )
     for node, (address, interface), target, why in [
-            (wrong_results[0], (address_a, if_a), wrong, r"(no route to host|no answer)"),
-            (wrong_results[1], (address_b, if_b), wrong, r"(no route to host|no answer)"),
-            (closed[0], (address_b, if_b), address_a, r"connection refused: nothing listens on that port")]:
+        (wrong_results[0], (address_a, if_a), wrong, r"(no route to host|no answer)"),
+        (wrong_results[1], (address_b, if_b), wrong, r"(no route to host|no answer)"),
+        (closed[0], (address_b, if_b), address_a, r"connection refused: nothing listens on that port"),
+    ]:
         code, out, err, seconds = node.returncode, node.stdout, node.stderr, node.seconds
         lines = err.splitlines()
         assert code == 1 and len(lines) == 2, (code, err)
         assert lines[0].startswith(f"run.sh: this node joins the rendezvous at {target}:29500"), lines
-        assert re.fullmatch(rf"run\.sh: cannot reach MASTER_ADDR:MASTER_PORT {re.escape(target)}:29500 from this node "
-                            rf"\({re.escape(address)} on {interface}\) within {timeout} s \(RDZV_TIMEOUT\): {why}.*",
-                            lines[1]), lines[1]
+        assert re.fullmatch(
+            rf"run\.sh: cannot reach MASTER_ADDR:MASTER_PORT {re.escape(target)}:29500 from this node "
+            rf"\({re.escape(address)} on {interface}\) within {timeout} s \(RDZV_TIMEOUT\): {why}.*",
+            lines[1],
+        ), lines[1]
         assert seconds < timeout + 40, seconds  # torch's import and the GPU query come first; no minutes of retries
         assert out == ""
         print(f"{target} from {address}: ended after {seconds:.1f} s (RDZV_TIMEOUT {timeout})")
@@ -150,9 +208,21 @@ def test_nodes_that_cannot_meet_end_within_rdzv_timeout_with_one_line(hosts, tmp
 def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hostname_breaks(hosts, tmp_path):
     (_, address_a, _), (_, address_b, if_b) = hosts["a"], hosts["b"]
     env = job_env(MASTER_ADDR=address_a, MASTER_PORT="29500")
-    listener = start(in_host(hosts["a"], [sys.executable, "-c", (
-        "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)")]), timeout=90)
+    listener = start(
+        in_host(
+            hosts["a"],
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import socket, time; s = socket.socket(); "
+                    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                    "s.bind(('0.0.0.0', 29500)); s.listen(); print('up', flush=True); time.sleep(60)"
+                ),
+            ],
+        ),
+        timeout=90,
+    )
     try:
         assert listener.stdout.readline() == "up\n"
         answered = run(in_host(hosts["b"], ["bash", "run.sh", "doctor", "--no-allreduce"]), env=env, timeout=120)
@@ -164,9 +234,11 @@ def test_doctor_says_which_address_and_interface_this_node_uses_and_what_the_hos
         lines = result.stdout.splitlines()
         assert result.returncode == 0, result.stdout + result.stderr
         network = [line for line in lines if " MASTER_ADDR " in line and "another machine" in line]
-        assert network == [f"ok    MASTER_ADDR {address_a} is another machine; this node reaches it from {address_b} "
-                           f"on {if_b} (run.sh: --local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} "
-                           f"NCCL_SOCKET_IFNAME={if_b})"], lines
+        assert network == [
+            f"ok    MASTER_ADDR {address_a} is another machine; this node reaches it from {address_b} "
+            f"on {if_b} (run.sh: --local-addr={address_b} GLOO_SOCKET_IFNAME={if_b} "
+            f"NCCL_SOCKET_IFNAME={if_b})"
+        ], lines
         # the namespaces share this machine's hostname and /etc/hosts: it resolves to loopback (as `vm` does here) or
         # to an address of the machine outside the namespaces, never to the address the other host can reach
         hostname = [line for line in lines if "hostname" in line]

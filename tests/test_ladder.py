@@ -1,5 +1,6 @@
 """The ladder stays readable: each rung's diff within its budget, the README's table showing the real sizes, the
 front page short, and every link between the pages resolving."""
+
 import re
 import subprocess
 
@@ -7,10 +8,15 @@ import pytest
 
 from conftest import REPO
 
-# (from, to): the most changed lines (`diff A B | grep -c '^[<>]'`) that one concept may cost
-BUDGETS = {("train_single.py", "train_dp.py"): 20, ("train_single.py", "train_ddp_launch.py"): 96,
-           ("train_ddp_launch.py", "train_ddp_torchrun.py"): 100, ("train_ddp_torchrun.py", "train_ddp_amp.py"): 36,
-           ("train_ddp_torchrun.py", "train_fsdp.py"): 126}
+# (from, to): the most changed lines (`diff A B | grep -c '^[<>]'`) that one concept may cost, in code that
+# `ruff format` lays out (one argument a line once a call does not fit on one): 20/112/96/33/141 when set
+BUDGETS = {
+    ("train_single.py", "train_dp.py"): 20,
+    ("train_single.py", "train_ddp_launch.py"): 115,
+    ("train_ddp_launch.py", "train_ddp_torchrun.py"): 100,
+    ("train_ddp_torchrun.py", "train_ddp_amp.py"): 36,
+    ("train_ddp_torchrun.py", "train_fsdp.py"): 145,
+}
 
 
 def changed_lines(a, b):
@@ -25,8 +31,11 @@ def test_each_diff_stays_within_its_budget(rung):
 
 
 def test_the_readme_ladder_shows_the_real_sizes():
-    rows = re.findall(r"^\| `(train_\w+\.py)` \| (?:`(train_\w+\.py)`|—) \|.*\| (\d+)(?: in all)? \|$",
-                      (REPO / "README.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `(train_\w+\.py)` \| (?:`(train_\w+\.py)`|—) \|.*\| (\d+)(?: in all)? \|$",
+        (REPO / "README.md").read_text(),
+        re.M,
+    )
     assert len(rows) == 6, rows
     for script, base, size in rows:
         expected = changed_lines(base, script) if base else len((REPO / script).read_text().splitlines())
@@ -35,7 +44,7 @@ def test_the_readme_ladder_shows_the_real_sizes():
 
 
 def test_the_front_pages_ddp_lines_link_to_where_they_are():
-    """"What DDP needs" links each line to file#L<n>: that line must hold the code shown (up to a trailing "...")."""
+    """ "What DDP needs" links each line to file#L<n>: that line must hold the code shown (up to a trailing "...")."""
     links = re.findall(r"\[`([^`]+)`\]\((train_\w+\.py)#L(\d+)\)", (REPO / "README.md").read_text())
     assert len(links) >= 12, links
     for code, script, line in links:
@@ -46,8 +55,13 @@ def test_the_front_pages_ddp_lines_link_to_where_they_are():
 def test_the_front_page_is_short_and_every_link_resolves():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    anchors = {page: {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-                      for heading in re.findall(r"^#+ (.*)$", page.read_text(), re.M)} for page in pages}
+    anchors = {
+        page: {
+            re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+        }
+        for page in pages
+    }
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):

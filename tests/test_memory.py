@@ -1,4 +1,5 @@
 """builtin.FileList: the file list that forked DataLoader workers read without copying it."""
+
 import os
 
 import pytest
@@ -7,13 +8,20 @@ import builtin
 
 
 def imagenet_like(count, classes=1000):
-    return [(f"/data/imagenet/train/n{1440764 + i % classes:08d}/n{1440764 + i % classes:08d}_{i}.JPEG",
-             i % classes) for i in range(count)]
+    return [
+        (f"/data/imagenet/train/n{1440764 + i % classes:08d}/n{1440764 + i % classes:08d}_{i}.JPEG", i % classes)
+        for i in range(count)
+    ]
 
 
 def test_samples_read_back_as_built():
-    pairs = [("/data/ç/é.jpg", 0), ("/data/日本/猫 1.png", 1), ("/data/a/b.JPEG", 2), ("/data/\udcff.jpg", 1),
-             *imagenet_like(1000)]
+    pairs = [
+        ("/data/ç/é.jpg", 0),
+        ("/data/日本/猫 1.png", 1),
+        ("/data/a/b.JPEG", 2),
+        ("/data/\udcff.jpg", 1),
+        *imagenet_like(1000),
+    ]
     samples = builtin.FileList(pairs)
     assert len(samples) == len(pairs)
     assert [samples[i] for i in range(len(pairs))] == list(samples) == pairs

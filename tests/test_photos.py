@@ -3,6 +3,7 @@
 In-process tests of builtin.ImageFiles against the pipeline as it was before reduced decoding (full decode, then the
 crop), and real runs of tools/shrink.py through run.sh on generated class folders.
 """
+
 import hashlib
 import io
 import os
@@ -28,8 +29,9 @@ def photo(path, width, height, seed=0, quality=90):
     was taken) and whose blue channel is a smooth pattern with fine noise. Saved in the format of path's suffix."""
     g = torch.Generator().manual_seed(seed)
     y, x = torch.meshgrid(torch.linspace(0, 1, height), torch.linspace(0, 1, width), indexing="ij")
-    bumps = torch.nn.functional.interpolate(torch.rand(1, 1, 5, 7, generator=g), size=(height, width),
-                                            mode="bicubic", align_corners=False)[0, 0]
+    bumps = torch.nn.functional.interpolate(
+        torch.rand(1, 1, 5, 7, generator=g), size=(height, width), mode="bicubic", align_corners=False
+    )[0, 0]
     blue = bumps + 0.04 * torch.randn(height, width, generator=g)
     image = (torch.stack([x, y, blue]).clamp(0, 1) * 255).round().byte()
     path = Path(path)
@@ -46,8 +48,9 @@ def before(path, img_size, train, seed, epoch, index):
         return TF.center_crop(TF.resize(image, round(img_size * 8 / 7), antialias=True), img_size)
     generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & 0xFFFF_FFFF_FFFF)
     top, left, height, width, flip = builtin.random_crop_box(image.shape[-2], image.shape[-1], generator)
-    image = torch.nn.functional.interpolate(image[None, :, top:top + height, left:left + width],
-                                            size=[img_size] * 2, mode="bilinear", antialias=True)[0]
+    image = torch.nn.functional.interpolate(
+        image[None, :, top : top + height, left : left + width], size=[img_size] * 2, mode="bilinear", antialias=True
+    )[0]
     return image.flip(-1) if flip else image
 
 
@@ -66,8 +69,11 @@ def mean_difference(a, b):
 # ------------------------------------------------------------------------------------------ reduced decoding
 def test_images_at_todays_sizes_decode_bitwise_as_before(tmp_path):
     # less than twice the crop (or the 8/7 resize) they need: decoded in full, exactly as before; and any PNG
-    demo = [photo(tmp_path / "a.jpg", 80, 80), photo(tmp_path / "b.jpg", 90, 130, seed=1),
-            photo(tmp_path / "c.png", 300, 200, seed=2)]
+    demo = [
+        photo(tmp_path / "a.jpg", 80, 80),
+        photo(tmp_path / "b.jpg", 90, 130, seed=1),
+        photo(tmp_path / "c.png", 300, 200, seed=2),
+    ]
     imagenet = [photo(tmp_path / "d.jpg", 500, 375, seed=3), photo(tmp_path / "e.jpg", 375, 500, seed=4)]
     for files, img_size in ((demo, 64), (demo + imagenet, 224)):
         for train in (True, False):
@@ -101,8 +107,9 @@ def test_large_jpegs_same_box_and_a_close_image(tmp_path):
 def test_sample_stream_unchanged_across_workers(tmp_path):
     # the defaults a user gets: loader workers on; reduced decoding in the workers and in the main process
     files = [photo(tmp_path / f"c{i % 2}" / f"{i}.jpg", 640, 480, seed=i) for i in range(8)]
-    dataset = utils.SeededItems(builtin.ImageFiles(builtin.FileList([(str(f), i % 2) for i, f in enumerate(files)]), 48,
-                                                 True), seed=5)
+    dataset = utils.SeededItems(
+        builtin.ImageFiles(builtin.FileList([(str(f), i % 2) for i, f in enumerate(files)]), 48, True), seed=5
+    )
 
     def stream(workers):
         sampler = utils.EpochSampler(torch.utils.data.RandomSampler(dataset, generator=torch.Generator()))
@@ -113,6 +120,7 @@ def test_sample_stream_unchanged_across_workers(tmp_path):
             sampler.start(epoch)
             batches += [images for images, _ in loader]
         return torch.cat(batches)
+
     one, two = stream(0), stream(2)
     assert one.shape == (16, 3, 48, 48) and torch.equal(one, two)
     assert not torch.equal(one[:8], one[8:])  # the epochs differ
@@ -121,8 +129,11 @@ def test_sample_stream_unchanged_across_workers(tmp_path):
 # ------------------------------------------------------------------------------------------ tools/shrink.py
 def tree(root):
     """{relative path: (sha256, mtime_ns)} of every file under root."""
-    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(Path(root).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_shrink_copies_resumes_and_reports_unreadable_files(tmp_path, capsys):
@@ -139,8 +150,11 @@ def test_shrink_copies_resumes_and_reports_unreadable_files(tmp_path, capsys):
     proc = run_sh("shrink", src, dst, "--max-side", "256", timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1, proc.stdout + proc.stderr  # one file failed, the others were done
-    assert len(errors) == 1 and f"cannot decode image {src / 'train' / 'dog' / 'broken.jpg'} (" in errors[0] \
-        and errors[0].endswith("remove or replace the file"), proc.stderr
+    assert (
+        len(errors) == 1
+        and f"cannot decode image {src / 'train' / 'dog' / 'broken.jpg'} (" in errors[0]
+        and errors[0].endswith("remove or replace the file")
+    ), proc.stderr
     assert tree(src) == before_run  # SRC untouched
     with Image.open(dst / "train" / "cat" / "big.jpg") as image:
         assert image.format == "JPEG" and image.size == (256, 192)
@@ -189,9 +203,14 @@ def test_shrink_killed_leaves_no_partial_file_and_resumes(tmp_path):
         photo(src / f"c{i % 2}" / f"{i:02d}.png", 1200, 900, seed=i)
     kills = 0
     for attempt in range(4):  # kill the whole job (every process of its group) at once, a few times
-        job = subprocess.Popen(["bash", "run.sh", "shrink", src, dst, "--max-side", "1000", "--jobs", "2"], cwd=REPO,
-                               env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+        job = subprocess.Popen(
+            ["bash", "run.sh", "shrink", src, dst, "--max-side", "1000", "--jobs", "2"],
+            cwd=REPO,
+            env=job_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.time() + 60
         while time.time() < deadline and job.poll() is None and not list(dst.rglob("*.png*")):  # writing one
             time.sleep(0.01)
@@ -227,6 +246,7 @@ def epoch_line(tmp_path, dataset, capsys):
         for batch in range(2):
             time.sleep(0.2)
             yield batch
+
     for step, _ in enumerate(log.timed(slow_loader())):
         time.sleep(0.05)
         log.step(step, step + 1, torch.tensor(1.0), 0.1)
@@ -240,8 +260,11 @@ def test_data_wait_hint_names_shrink_for_large_photos(tmp_path, capsys):
     small = [photo(tmp_path / "small" / f"{i}.jpg", 200, 150, seed=i) for i in range(6)]
     files = builtin.FileList([(str(f), i % 2) for i, f in enumerate(large)])
     line = epoch_line(tmp_path / "a", builtin.ImageFiles(files, 64, True), capsys)
-    assert "data loading is the bottleneck" in line and "900 px images for a 64 px crop" in line \
-        and "bash run.sh shrink" in line, line
+    assert (
+        "data loading is the bottleneck" in line
+        and "900 px images for a 64 px crop" in line
+        and "bash run.sh shrink" in line
+    ), line
     files = builtin.FileList([(str(f), i % 2) for i, f in enumerate(small)])
     line = epoch_line(tmp_path / "b", builtin.ImageFiles(files, 64, True), capsys)
     assert "data loading is the bottleneck; raise --workers" in line and "shrink" not in line, line
@@ -258,7 +281,7 @@ def test_confusion_picture_names_shares_and_colours():
     assert image.dtype == torch.uint8 and image.shape[0] == 3
     assert 5 * 34 < image.shape[1] < 600 and 5 * 34 + 480 < image.shape[2] < 1200, image.shape
     assert not grey(image)  # the colour scale, not the bare grey grid
-    left = image[:, 60:image.shape[1] // 2, :40]  # where the first letters of the row names are
+    left = image[:, 60 : image.shape[1] // 2, :40]  # where the first letters of the row names are
     assert (left.max(dim=0).values < 100).sum() > 30, "no text left of the rows"
     assert not torch.equal(image, utils.confusion_image(confusion, ["a", "b", "c", "d", "e"]))  # the names drawn
     assert not torch.equal(image, utils.confusion_image(confusion.flip(1), classes))  # and the shares
@@ -283,10 +306,13 @@ def test_confusion_picture_reaches_tensorboard_where_the_metrics_have_one(tmp_pa
     """A classifier's metrics (a "confusion" of names x names counts) are drawn; a regression's (numbers only) and a
     multi-label task's (no square matrix) are not, and every number among the metrics is a val/ scalar."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     confusion = torch.tensor([[3, 1], [0, 4]])
-    tasks = {"classifier": {"loss": 0.5, "count": 8, "acc": 0.875, "confusion": confusion.tolist()},
-             "regression": {"loss": 0.5, "count": 8, "mse": 0.25},
-             "multilabel": {"loss": 0.5, "count": 8, "f1": 0.75, "confusion": [[1, 2, 3]]}}
+    tasks = {
+        "classifier": {"loss": 0.5, "count": 8, "acc": 0.875, "confusion": confusion.tolist()},
+        "regression": {"loss": 0.5, "count": 8, "mse": 0.25},
+        "multilabel": {"loss": 0.5, "count": 8, "f1": 0.75, "confusion": [[1, 2, 3]]},
+    }
     for task, metrics in tasks.items():
         log = utils.Logger(tmp_path / task, ["cat", "dog"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
         log.start_epoch(0)
@@ -318,6 +344,7 @@ def test_training_image_grid_for_any_dataset(tmp_path):
 
         def __getitem__(self, index):
             return torch.randn(self.shape), index % 2
+
     for name, shape, shown in (("floats", (3, 16, 16), 1), ("vectors", (10,), 0)):
         log = utils.Logger(tmp_path / name, ["a", "b"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
         log.add_training_images(utils.SeededItems(Items(shape), 0), 0)
@@ -328,20 +355,23 @@ def test_training_image_grid_for_any_dataset(tmp_path):
         assert len(images) == shown and (not shown or images == ["train/augmented_images"]), (name, images)
 
 
-def test_torchcodec_decodes_where_installed_and_its_absence_is_said_in_one_line(tiny_data, tmp_path, capsys,
-                                                                                monkeypatch):
+def test_torchcodec_decodes_where_installed_and_its_absence_is_said_in_one_line(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
     """requirements.txt installs TorchCodec: builtin.py decodes every JPEG and PNG of the folder with it (counted
     through the module's own names). Where it cannot be imported, builtin.datasets() says so once, at start, and the
     images decode with PIL alike."""
     import importlib
     import importlib.util
     import types
+
     assert importlib.util.find_spec("torchcodec") and builtin.codec_decode is not None and builtin.codec_missing is None
     calls = []
     for name in ("codec_decode", "codec_jpeg"):
         real = getattr(builtin, name)
-        monkeypatch.setattr(builtin, name, lambda data, mode, real=real, name=name: calls.append(name) or real(
-            data, mode=mode))
+        monkeypatch.setattr(
+            builtin, name, lambda data, mode, real=real, name=name: calls.append(name) or real(data, mode=mode)
+        )
     photo(tmp_path / "extra.png", 40, 30)
     for path in (next(tiny_data.glob("c0/*.jpg")), tmp_path / "extra.png"):
         assert builtin.decode_image(path).shape[0] == 3
@@ -361,6 +391,11 @@ def test_torchcodec_decodes_where_installed_and_its_absence_is_said_in_one_line(
             patch.undo()
             importlib.reload(builtin)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: TorchCodec cannot be imported (") and lines[0].endswith(
-        "): the images are decoded with PIL, slower on small images; pip install -r requirements.txt"), lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("warning: TorchCodec cannot be imported (")
+        and lines[0].endswith(
+            "): the images are decoded with PIL, slower on small images; pip install -r requirements.txt"
+        )
+    ), lines
     assert builtin.codec_decode is not None

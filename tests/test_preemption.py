@@ -4,6 +4,7 @@
 Ctrl-C (tests/test_run_sh.py, and here typed into one). Every claim ends with real weights compared to an
 uninterrupted run.
 """
+
 import os
 import pty
 import select
@@ -15,9 +16,28 @@ import uuid
 import pytest
 import torch
 
-from conftest import (DEFAULTS, REPO, assert_gone, assert_job_gone, assert_resumed_after,
-                      assert_same_weights, checkpoint_step, children, command, deliver, descendants, finish, job_env,
-                      kill_job, load_model_state, ok, ranks, read_until, run_sh, start_sh)
+from conftest import (
+    DEFAULTS,
+    REPO,
+    assert_gone,
+    assert_job_gone,
+    assert_resumed_after,
+    assert_same_weights,
+    checkpoint_step,
+    children,
+    command,
+    deliver,
+    descendants,
+    finish,
+    job_env,
+    kill_job,
+    load_model_state,
+    ok,
+    ranks,
+    read_until,
+    run_sh,
+    start_sh,
+)
 
 
 def stop_and_resume(hows, signum, reference, tiny_data, folder):
@@ -43,8 +63,10 @@ def stop_and_resume(hows, signum, reference, tiny_data, folder):
         output = finish(job, lines, timeout=60)
         assert len(pids) >= 6, (how, [command(p) for p in pids])  # agent, 2 ranks, their loader workers
         name = signal.Signals(signal.SIGTERM if how == "launcher killed" else signum).name
-        assert job.returncode == (128 + signal.SIGKILL if how == "launcher killed" else 128 + signum), \
-            (how, output[-3000:])
+        assert job.returncode == (128 + signal.SIGKILL if how == "launcher killed" else 128 + signum), (
+            how,
+            output[-3000:],
+        )
         stops = [line for line in output.splitlines() if line.startswith("stopped by")]
         assert len(stops) == 1 and stops[0].startswith(f"stopped by {name} after step "), (how, output[-3000:])
         assert output.rstrip().splitlines()[-1] == stops[0], (how, output[-3000:])  # the log ends with that line
@@ -86,8 +108,7 @@ def test_sigterm_saves_and_resume_ends_with_uninterrupted_weights(default_ddp, t
     job's own first step, each saved, no process left within seconds, and the last resume ends with the
     uninterrupted weights; and a second job started into the folder of the first ends in one line
     (stop_and_resume)."""
-    stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_ddp, tiny_data,
-                    tmp_path)
+    stop_and_resume(("agent", "every process", "launcher killed"), signal.SIGTERM, default_ddp, tiny_data, tmp_path)
 
 
 def test_sigterm_during_evaluation_saves_and_the_resumed_run_evaluates_that_epoch(default_ddp, tiny_data, tmp_path):
@@ -147,8 +168,23 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     """--print-freq 20 and 12 steps an epoch: the ranks used to vote every 10 steps, so a stop could come 10 steps
     after the signal, past a scheduler's grace period where steps are slow (no checkpoint then). The job is paused
     (SIGSTOP) once rank 0 has saved a step, signalled, and let go on: it stops within two steps of that save."""
-    job = start_sh("ddp", 2, *DEFAULTS, "-b", "2", "--img-size", "64", "--print-freq", "20", "--save-every", "1",
-                   "--data-path", tiny_data, "--output-dir", tmp_path / "run")
+    job = start_sh(
+        "ddp",
+        2,
+        *DEFAULTS,
+        "-b",
+        "2",
+        "--img-size",
+        "64",
+        "--print-freq",
+        "20",
+        "--save-every",
+        "1",
+        "--data-path",
+        tiny_data,
+        "--output-dir",
+        tmp_path / "run",
+    )
     last, deadline, saved = tmp_path / "run" / "last.pt", time.time() + 90, None
     while not last.exists() and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -164,11 +200,17 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     assert saved <= int(stops[0].split("after step ")[1].split(":")[0]) <= saved + 2, (saved, stops)
 
 
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(default_ddp, tiny_data,
-                                                                                          tmp_path):
+def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(
+    default_ddp, tiny_data, tmp_path
+):
     reference, folder, env = default_ddp, tmp_path, job_env(TORCHRUN_ARGS="--max-restarts=1")
-    job, lines, killed = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1",
-                                  "--output-dir", folder / "run", env=env), [], False
+    job, lines, killed = (
+        start_sh(
+            "ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1", "--output-dir", folder / "run", env=env
+        ),
+        [],
+        False,
+    )
     if read_until(job, lines, "epoch 1/2  step 2/3"):
         os.kill(ranks(job)[0], signal.SIGKILL)
         killed = True
@@ -217,8 +259,17 @@ def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
     folder = tmp_path
     token = uuid.uuid4().hex
     env = job_env(TEST_JOB=token, TERM="dumb")
-    args = ["bash", "run.sh", mode, *([2] if mode == "launch" else []), *DEFAULTS, "--data-path", tiny_data,
-            "--output-dir", folder / "run"]
+    args = [
+        "bash",
+        "run.sh",
+        mode,
+        *([2] if mode == "launch" else []),
+        *DEFAULTS,
+        "--data-path",
+        tiny_data,
+        "--output-dir",
+        folder / "run",
+    ]
     pid, terminal = pty.fork()
     if pid == 0:  # the child: bash run.sh in the terminal, as a user types it
         try:
@@ -263,7 +314,7 @@ def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
 # The agent's report of a signal, as torch 2.14 prints it, in the two shapes a second signal gives it: interrupted
 # inside its handler (a blank source line; seen in a full test run, when SIGTERM reached every process and run.sh
 # forwarded it too), and chained to the first report.
-INTERRUPTED = '''Traceback (most recent call last):
+INTERRUPTED = """Traceback (most recent call last):
   File "torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run
     time.sleep(monitor_interval)
   File "torch/distributed/elastic/multiprocessing/api.py", line 85, in _terminate_process_handler
@@ -275,8 +326,8 @@ INTERRUPTED = '''Traceback (most recent call last):
   File "torch/distributed/elastic/multiprocessing/api.py", line 86, in _terminate_process_handler
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 torch.distributed.elastic.multiprocessing.api.SignalException: Process 17578 got signal: 15
-'''
-CHAINED = '''Traceback (most recent call last):
+"""
+CHAINED = """Traceback (most recent call last):
   File "torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run
     time.sleep(monitor_interval)
 torch.distributed.elastic.multiprocessing.api.SignalException: Process 17578 got signal: 15
@@ -287,18 +338,22 @@ Traceback (most recent call last):
   File "torch/distributed/elastic/agent/server/api.py", line 937, in _invoke_run
     self._shutdown(e.sigval)
 torch.distributed.elastic.multiprocessing.api.SignalException: Process 17578 got signal: 15
-'''
+"""
 
 
-@pytest.mark.parametrize("report,status", [(INTERRUPTED, 143), (CHAINED, 143),
-                                           (INTERRUPTED.replace(CHAINED.splitlines()[-1], "RuntimeError: boom"), 1)])
+@pytest.mark.parametrize(
+    "report,status",
+    [(INTERRUPTED, 143), (CHAINED, 143), (INTERRUPTED.replace(CHAINED.splitlines()[-1], "RuntimeError: boom"), 1)],
+)
 def test_run_sh_leaves_out_the_agents_signal_report_and_nothing_else(tmp_path, report, status):
     """run.sh's stderr filter, fed the agent's exact reports by a stand-in for the launcher: a signal's report is
     left out (the exit status says which signal), any other traceback is shown whole."""
     (tmp_path / "report.txt").write_text(report)
     launcher = tmp_path / "python"  # run.sh's PYTHON: the real one, except where it starts the launcher
-    launcher.write_text(f'#!/bin/bash\nif [ "$2" = torch.distributed.run ]; then cat {tmp_path}/report.txt >&2; '
-                        f'exit 1; fi\nexec {sys.executable} "$@"\n')
+    launcher.write_text(
+        f'#!/bin/bash\nif [ "$2" = torch.distributed.run ]; then cat {tmp_path}/report.txt >&2; '
+        f'exit 1; fi\nexec {sys.executable} "$@"\n'
+    )
     launcher.chmod(0o755)
     job = run_sh("ddp", 1, env=dict(job_env(), PYTHON=str(launcher)), timeout=60)
     assert job.returncode == status, job.stderr

@@ -3,6 +3,7 @@ training): killing run.sh or closing its terminal never leaves the job training;
 `error:` line, the launcher's report kept in a log file; more processes than GPUs train on the CPU. The launcher
 reports fed through a stand-in launcher were captured from real runs of torch 2.14.
 """
+
 import os
 import pty
 import select
@@ -15,9 +16,26 @@ import uuid
 import pytest
 import torch
 
-from conftest import (BF16, DEFAULTS, REPO, assert_gone, assert_resumed_after, assert_same_weights, checkpoint_step,
-                      descendants, finish, job_env, kill_job, load_model_state, ok, ranks, read_until, run, run_sh,
-                      start_sh)
+from conftest import (
+    BF16,
+    DEFAULTS,
+    REPO,
+    assert_gone,
+    assert_resumed_after,
+    assert_same_weights,
+    checkpoint_step,
+    descendants,
+    finish,
+    job_env,
+    kill_job,
+    load_model_state,
+    ok,
+    ranks,
+    read_until,
+    run,
+    run_sh,
+    start_sh,
+)
 
 
 def env_with(**settings):
@@ -34,15 +52,35 @@ def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_i
     folder = tmp_path
     for name in ("run.sh", "train_ddp_torchrun.py", "utils.py", "dist_utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder)
-    job = run(["bash", "run.sh", "ddp", 2, *DEFAULTS, "--epochs", "1", "--data-path", tiny_data, "--output-dir",
-               folder / "run"], cwd=folder, timeout=120)
+    job = run(
+        [
+            "bash",
+            "run.sh",
+            "ddp",
+            2,
+            *DEFAULTS,
+            "--epochs",
+            "1",
+            "--data-path",
+            tiny_data,
+            "--output-dir",
+            folder / "run",
+        ],
+        cwd=folder,
+        timeout=120,
+    )
     assert job.returncode == 0 and (folder / "run" / "results.json").is_file(), job.stderr[-3000:]
     assert job.stderr.startswith("run.sh: no tools/launcher.py beside run.sh: the launcher runs as it is"), job.stderr
-    for args, missing in ((["doctor"], "tools/doctor.py"), (["bench"], "tools/bench.py"),
-                          (["ddp", 1], "tools/hosts.py")):
+    for args, missing in (
+        (["doctor"], "tools/doctor.py"),
+        (["bench"], "tools/bench.py"),
+        (["ddp", 1], "tools/hosts.py"),
+    ):
         proc = run(["bash", "run.sh", *args], cwd=folder, env=job_env(NNODES="2", MASTER_ADDR="127.0.0.1"), timeout=30)
-        assert (proc.returncode, proc.stderr) == (2, f"run.sh: {missing} is missing: copy the tools/ folder beside "
-                                                     f"run.sh\n"), proc.stderr
+        assert (proc.returncode, proc.stderr) == (
+            2,
+            f"run.sh: {missing} is missing: copy the tools/ folder beside run.sh\n",
+        ), proc.stderr
 
 
 def test_sigkill_of_run_sh_and_its_group_stops_the_job_and_leaves_no_process(tiny_data, tmp_path):
@@ -122,8 +160,9 @@ def stop(how, args, folder):
     return checkpoint_step(torch.load(folder / "run" / "last.pt", weights_only=True), 3)
 
 
-def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninterrupted_weights(default_ddp, tiny_data,
-                                                                                              tmp_path):
+def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninterrupted_weights(
+    default_ddp, tiny_data, tmp_path
+):
     """SIGHUP: the terminal or ssh session closes (run.sh leads the terminal's session: the kernel signals it, and
     the ranks' output can no longer be written there); then Ctrl-C (SIGINT to the process group of the run.sh that
     resumed it, exit 130): each stopped after the job's own first step and saved it, no process left; a last
@@ -135,24 +174,28 @@ def test_a_closed_terminal_and_ctrl_c_stop_and_save_and_resume_ends_with_uninter
     assert interrupted > closed, (closed, interrupted)
     resumed = ok(run_sh(*args, "--resume", "auto"))
     assert_resumed_after(resumed.stdout, step=interrupted)
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"),
-                        load_model_state(default_ddp / "last.pt"))
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
 
 
 # ---------------------------------------------------------------------------------------- one line means one line
-@pytest.mark.parametrize("mode,nproc,case", [("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"),
-                                              ("fsdp", 2, "unreadable --resume")])
-def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(mode, nproc, case, tiny_data,
-                                                                                   tmp_path):
+@pytest.mark.parametrize(
+    "mode,nproc,case", [("ddp", 2, "missing --data-path"), ("amp", 1, "--epochs 0"), ("fsdp", 2, "unreadable --resume")]
+)
+def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_log(
+    mode, nproc, case, tiny_data, tmp_path
+):
     folder = tmp_path
     bad = folder / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    args = {"missing --data-path": ["--data-path", folder / "nowhere"],
-            "--epochs 0": ["--data-path", tiny_data, "--epochs", "0", *BF16],
-            "unreadable --resume": ["--data-path", tiny_data, "--resume", bad]}[case]
+    args = {
+        "missing --data-path": ["--data-path", folder / "nowhere"],
+        "--epochs 0": ["--data-path", tiny_data, "--epochs", "0", *BF16],
+        "unreadable --resume": ["--data-path", tiny_data, "--resume", bad],
+    }[case]
     started = time.time()
-    proc = run_sh(mode, nproc, *DEFAULTS, *args, "--output-dir", folder / "run", env=job_env(TMPDIR=str(folder)),
-                  timeout=120)
+    proc = run_sh(
+        mode, nproc, *DEFAULTS, *args, "--output-dir", folder / "run", env=job_env(TMPDIR=str(folder)), timeout=120
+    )
     assert proc.returncode == 1, (case, proc.stderr[-3000:])
     lines = (proc.stdout + proc.stderr).splitlines()
     errors = [line for line in lines if line.startswith("error:")]
@@ -167,7 +210,7 @@ def test_bad_input_through_run_sh_is_one_line_and_the_launchers_report_is_in_a_l
 
 
 # The launcher's report after a rank failed, captured from `bash run.sh ddp 2 --epochs 0` (site-packages paths cut).
-CHILD_FAILED = '''W1130 21:01:23.344000 9915 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9948 closing signal SIGTERM
+CHILD_FAILED = """W1130 21:01:23.344000 9915 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9948 closing signal SIGTERM
 E1130 21:01:23.413000 9915 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 9947) of binary: /usr/bin/python3
 Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
@@ -208,15 +251,15 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-'''
+"""
 ERROR = "error: --epochs must be positive, got 0\n"
-CRASH = '''Traceback (most recent call last):
+CRASH = """Traceback (most recent call last):
   File "train_ddp_torchrun.py", line 281, in <module>
     main(args)
 RuntimeError: a rank's own crash
-'''
+"""
 # A node that cannot reach the rendezvous store, captured between two network namespaces (C++ frames shortened)
-RENDEZVOUS = '''[W1130 20:57:19.469812839 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3
+RENDEZVOUS = """[W1130 20:57:19.469812839 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3
 [E1130 20:59:56.614336003 socket.cpp:1028] [c10d] The client socket has timed out after 60000ms while trying to connect to (10.77.9.1, 29561).
 [E1130 20:59:56.614631053 TCPStore.cpp:328] [c10d] TCP client failed to connect/validate to host 10.77.9.1:29561 - timed out (try=1, timeout=60000ms): The client socket has timed out after 60000ms while trying to connect to (10.77.9.1, 29561).
 Exception raised from throwTimeoutError at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/socket.cpp:1030 (most recent call first):
@@ -240,7 +283,7 @@ Traceback (most recent call last):
   File "torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 180, in _create_tcp_store
     raise RendezvousConnectionError(
 torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed. See inner exception for details.
-'''
+"""
 
 
 def stand_in(tmp_path, stderr, stdout=""):
@@ -248,18 +291,27 @@ def stand_in(tmp_path, stderr, stdout=""):
     (tmp_path / "stderr.txt").write_text(stderr)
     (tmp_path / "stdout.txt").write_text(stdout)
     launcher = tmp_path / "python"
-    launcher.write_text(f'#!/bin/bash\nif [ "$2" = torch.distributed.run ]; then cat {tmp_path}/stdout.txt; '
-                        f'cat {tmp_path}/stderr.txt >&2; exit 1; fi\nexec {sys.executable} "$@"\n')
+    launcher.write_text(
+        f'#!/bin/bash\nif [ "$2" = torch.distributed.run ]; then cat {tmp_path}/stdout.txt; '
+        f'cat {tmp_path}/stderr.txt >&2; exit 1; fi\nexec {sys.executable} "$@"\n'
+    )
     launcher.chmod(0o755)
     return str(launcher)
 
 
 @pytest.mark.parametrize("case", ["explained", "a rank crashed", "no rank said why"])
 def test_run_sh_leaves_out_the_launchers_failure_report_only_after_a_ranks_error_line(tmp_path, case):
-    stderr = {"explained": ERROR + CHILD_FAILED, "a rank crashed": CRASH + CHILD_FAILED,
-              "no rank said why": CHILD_FAILED}[case]
-    proc = run_sh("ddp", 2, env=env_with(PYTHON=stand_in(tmp_path, stderr, stdout="epoch 1/2  step 1/3\n"),
-                                        TMPDIR=str(tmp_path)), timeout=60)
+    stderr = {
+        "explained": ERROR + CHILD_FAILED,
+        "a rank crashed": CRASH + CHILD_FAILED,
+        "no rank said why": CHILD_FAILED,
+    }[case]
+    proc = run_sh(
+        "ddp",
+        2,
+        env=env_with(PYTHON=stand_in(tmp_path, stderr, stdout="epoch 1/2  step 1/3\n"), TMPDIR=str(tmp_path)),
+        timeout=60,
+    )
     logs = list(tmp_path.glob("run.sh-*-log.*"))
     assert proc.returncode == 1 and proc.stdout == "epoch 1/2  step 1/3\n", proc.stderr
     if case == "explained":
@@ -270,8 +322,13 @@ def test_run_sh_leaves_out_the_launchers_failure_report_only_after_a_ranks_error
 
 
 def test_run_sh_says_in_one_line_why_the_nodes_could_not_meet(tmp_path):
-    env = env_with(PYTHON=stand_in(tmp_path, RENDEZVOUS), TMPDIR=str(tmp_path), NNODES="2", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT="29561")
+    env = env_with(
+        PYTHON=stand_in(tmp_path, RENDEZVOUS),
+        TMPDIR=str(tmp_path),
+        NNODES="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29561",
+    )
     proc = run_sh("ddp", 1, env=env, timeout=60)
     logs = list(tmp_path.glob("run.sh-*-log.*"))
     assert proc.returncode == 1
@@ -279,7 +336,8 @@ def test_run_sh_says_in_one_line_why_the_nodes_could_not_meet(tmp_path):
         "run.sh: the nodes could not meet at 127.0.0.1:29561 (RendezvousConnectionError: The client socket has timed "
         "out after 60000ms while trying to connect to (10.77.9.1, 29561).): check MASTER_ADDR and MASTER_PORT on every "
         "node (bash run.sh doctor)",
-        f"run.sh: the launcher's full report: {logs[0]}"], proc.stderr
+        f"run.sh: the launcher's full report: {logs[0]}",
+    ], proc.stderr
     assert proc.stderr.splitlines()[0].startswith("run.sh: this node holds MASTER_ADDR 127.0.0.1"), proc.stderr
     assert logs[0].read_text() == RENDEZVOUS
 
@@ -288,8 +346,9 @@ def test_run_sh_says_in_one_line_why_the_nodes_could_not_meet(tmp_path):
 def gpus_answer(tmp_path, count):
     """A PYTHON for run.sh that answers its GPU count query with count: the real one for everything else."""
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/bash\ncase "$*" in *device_count*) echo {count}; exit 0 ;; esac\n'
-                      f'exec {sys.executable} "$@"\n')
+    python.write_text(
+        f'#!/bin/bash\ncase "$*" in *device_count*) echo {count}; exit 0 ;; esac\nexec {sys.executable} "$@"\n'
+    )
     python.chmod(0o755)
     return str(python)
 
@@ -298,8 +357,11 @@ def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp
     """`bash run.sh ddp 4` on a one-GPU laptop: the processes train on the CPU with gloo, with one line saying so."""
     env = env_with(PYTHON=gpus_answer(tmp_path, 1), CUDA_VISIBLE_DEVICES="0")  # as on a machine with one GPU
     env.pop("OMP_NUM_THREADS")  # as a user runs it: run.sh shares the cores out as on a CPU-only machine
-    job, lines, seen = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run",
-                                env=env), [], {}
+    job, lines, seen = (
+        start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run", env=env),
+        [],
+        {},
+    )
     if read_until(job, lines, "epoch 1/2  step 1/3"):
         for rank, pid in ranks(job).items():
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -309,8 +371,9 @@ def test_more_processes_than_gpus_on_one_machine_train_on_the_cpu(tiny_data, tmp
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2)).encode()
     assert seen == {0: (b"", threads), 1: (b"", threads)}, seen
     assert job.returncode == 0, output[-3000:]
-    assert output.splitlines()[0] == ("run.sh: 2 processes but 1 visible GPU: training on the CPU (gloo); use N <= 1 "
-                                      "to train on the GPU"), output[:1000]
+    assert output.splitlines()[0] == (
+        "run.sh: 2 processes but 1 visible GPU: training on the CPU (gloo); use N <= 1 to train on the GPU"
+    ), output[:1000]
     assert "global batch 16 = 8 per process x 2 processes" in output
     assert (tmp_path / "run" / "results.json").exists()
 

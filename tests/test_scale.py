@@ -1,5 +1,6 @@
 """What holds at scale and breaks only outside tiny tests: BatchNorm statistics at evaluation, restarts across nodes
 whose agents disagree, a resume with another world size or batch, nodes that see different files, no launcher."""
+
 import os
 import shutil
 import signal
@@ -12,8 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (EXACT, REPO, assert_resumed_after, assert_same_weights, finish, free_port, in_this_process,
-                      job_env, kill_job, load_model_state, ok, ranks, run, start, start_sh, torchrun)
+from conftest import (
+    EXACT,
+    REPO,
+    assert_resumed_after,
+    assert_same_weights,
+    finish,
+    free_port,
+    in_this_process,
+    job_env,
+    kill_job,
+    load_model_state,
+    ok,
+    ranks,
+    run,
+    start,
+    start_sh,
+    torchrun,
+)
 import builtin
 import utils
 
@@ -39,8 +56,9 @@ def epoch_order(n, seed, epoch):
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-@pytest.mark.parametrize("before,after", [((2, 8), (3, 8)), ((2, 8), (1, 24)), ((3, 4), (2, 8)), ((1, 16), (3, 4)),
-                                          ((2, 7), (3, 4))])
+@pytest.mark.parametrize(
+    "before,after", [((2, 8), (3, 8)), ((2, 8), (1, 24)), ((3, 4), (2, 8)), ((1, 16), (3, 4)), ((2, 7), (3, 4))]
+)
 def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, after):
     """A checkpoint written after any step of an epoch by W1 processes x batch B1, resumed by W2 processes x batch
     B2 (each a (W, B) pair; B stands for batch x accumulation steps): the position the scripts save and resume
@@ -52,8 +70,9 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
     order = epoch_order(len(dataset), seed, 0)
 
     def position(world_size, rank, batch):
-        sampler = utils.EpochSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                                        seed=seed, drop_last=True))
+        sampler = utils.EpochSampler(
+            DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        )
         steps_per_epoch = len(dataset) // world_size // batch  # as the scripts' drop_last loaders give it
         return utils.Position(sampler, world_size * batch, steps_per_epoch)
 
@@ -65,12 +84,12 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
         for rank in range(w1):
             first = position(w1, rank, b1)
             first.start_epoch(0)
-            seen += [index for _, index in first.sampler][:steps_done * b1]
+            seen += [index for _, index in first.sampler][: steps_done * b1]
             for _ in range(steps_done):
                 first.advance()
         saved = first.state_dict()
         assert saved == {"epoch": 0, "samples": steps_done * w1 * b1, "global_batch": w1 * b1}
-        assert sorted(seen) == sorted(order[:saved["samples"]])  # the first run trained on a prefix of the order
+        assert sorted(seen) == sorted(order[: saved["samples"]])  # the first run trained on a prefix of the order
 
         resumed = []
         for rank in range(w2):
@@ -80,17 +99,17 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
             steps_left = second.steps_per_epoch - second.step
             assert second.global_step == second.step  # epoch 0
             mine = [index for _, index in second.sampler]
-            rest = order[saved["samples"]:usable2]
-            share = rest[(rank - saved["samples"]) % w2::w2][:len(rest) // w2]  # as many on every rank
+            rest = order[saved["samples"] : usable2]
+            share = rest[(rank - saved["samples"]) % w2 :: w2][: len(rest) // w2]  # as many on every rank
             assert mine == share, (rank, saved)  # the whole remainder: its share of the rest of the order
             assert len(mine) >= steps_left * b2, (rank, len(mine), steps_left)  # enough for every step run
-            resumed += mine[:steps_left * b2]
+            resumed += mine[: steps_left * b2]
             for _ in range(steps_left):
                 second.advance()
             assert second.step == second.steps_per_epoch  # the epoch ends where the scripts' loop ends it
             second.end_epoch()
             assert (second.epoch, second.samples, second.global_step) == (1, 0, second.steps_per_epoch)
-        assert sorted(seen + resumed) == sorted(order[:saved["samples"] + steps_left * w2 * b2])  # none twice
+        assert sorted(seen + resumed) == sorted(order[: saved["samples"] + steps_left * w2 * b2])  # none twice
         stepped += steps_left > 0
     assert stepped >= 2  # most checkpoints leave steps to run: the comparisons above are not of empty lists
 
@@ -106,8 +125,9 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     model.load_state_dict(checkpoint["model"])
     utils.train_mode(model)  # the frozen backbone's BatchNorm in eval mode
     peak = lr * global_batch / 256
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=peak, momentum=0.9,
-                                weight_decay=1e-4)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=peak, momentum=0.9, weight_decay=1e-4
+    )
     optimizer.load_state_dict(checkpoint["optimizer"])
     steps_per_epoch = len(train) // global_batch
     schedule = utils.warmup_cosine(epochs * steps_per_epoch)
@@ -116,7 +136,7 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
         order = epoch_order(len(train), seed, epoch)
         first_step = steps_per_epoch - (len(train) - position) // global_batch
         for step in range(first_step, steps_per_epoch):
-            batch = [dataset[(epoch, index)] for index in order[position:position + global_batch]]
+            batch = [dataset[(epoch, index)] for index in order[position : position + global_batch]]
             position += global_batch
             images, labels = torch.stack([image for image, _ in batch]), torch.tensor([label for _, label in batch])
             F.cross_entropy(model(utils.normalize(images)), labels).backward()
@@ -136,8 +156,21 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
     saved, checkpoint = ddp_killed
     args = [*EXACT, "--data-path", tiny_data, "-b", "8"]
     three = ok(torchrun(3, "train_ddp_torchrun.py", *args, "--resume", saved, "--output-dir", tmp_path / "three"))
-    one = ok(run([sys.executable, "train_single.py", *args[:-2], "-b", "24", "--resume", saved, "--output-dir",
-                  tmp_path / "one"]))
+    one = ok(
+        run(
+            [
+                sys.executable,
+                "train_single.py",
+                *args[:-2],
+                "-b",
+                "24",
+                "--resume",
+                saved,
+                "--output-dir",
+                tmp_path / "one",
+            ]
+        )
+    )
     for proc in (three, one):
         assert f"epoch 1 after {checkpoint['samples']} of its " in proc.stdout  # 48 samples on 3 ranks, 50 on 1
         assert "samples (at global batch 16)" in proc.stdout
@@ -186,10 +219,27 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
     agents' own log lines say which each did). Both must still meet, resume from the checkpoint and finish with the
     uninterrupted weights: two nodes (run.sh, NNODES=2, c10d on 127.0.0.1) end as one process with the global batch
     (tests/test_hosts.py: two hosts, without a restart, bitwise as one machine)."""
-    env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-restart",
-                  TORCHRUN_ARGS="--max-restarts=1", LOGLEVEL="INFO")  # INFO: the agents say why they restart
-    args = ["ddp", 1, *EXACT, "--data-path", tiny_data, "-b", "8", "--save-every", "1",
-            "--output-dir", tmp_path / "run"]
+    env = job_env(
+        NNODES="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RDZV_ID="test-restart",
+        TORCHRUN_ARGS="--max-restarts=1",
+        LOGLEVEL="INFO",
+    )  # INFO: the agents say why they restart
+    args = [
+        "ddp",
+        1,
+        *EXACT,
+        "--data-path",
+        tiny_data,
+        "-b",
+        "8",
+        "--save-every",
+        "1",
+        "--output-dir",
+        tmp_path / "run",
+    ]
     nodes = [start_sh(*args, env=env, timeout=300) for _ in range(2)]
     outputs = [[], []]
     readers = [read_lines(node, out) for node, out in zip(nodes, outputs)]
@@ -221,8 +271,9 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
     assert len(resumed) == 1, text
     assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
     # the uninterrupted weights: one process with the global batch (shared.exact_single; W x B == 1 x W*B)
-    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_single / "last.pt"),
-                        atol=TOL)
+    assert_same_weights(
+        load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_single / "last.pt"), atol=TOL
+    )
 
 
 def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
@@ -232,16 +283,34 @@ def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data,
     env = job_env()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-shared-store",
-           "train_ddp_torchrun.py", *EXACT, "--data-path", tiny_data, "-b", "8", "--output-dir", tmp_path / "run"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=test-shared-store",
+        "train_ddp_torchrun.py",
+        *EXACT,
+        "--data-path",
+        tiny_data,
+        "-b",
+        "8",
+        "--output-dir",
+        tmp_path / "run",
+    ]
     nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
     outputs = [finish(node, [], timeout=180) for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode != 0, output[-3000:]
         errors = {line for line in output.splitlines() if line.startswith("error:")}
-        assert errors == {"error: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                          "environment (run.sh sets it), or the restarted nodes may never meet again"}, output[-3000:]
+        assert errors == {
+            "error: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment (run.sh sets it), or the restarted nodes may never meet again"
+        }, output[-3000:]
         assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
@@ -251,8 +320,10 @@ def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tm
     shutil.copytree(tiny_data, other)
     (other / "c1" / "0003.jpg").unlink()
     env = job_env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="test-data")
-    nodes = [start_sh("ddp", 1, *EXACT, "--data-path", data, "-b", "8", "--output-dir", tmp_path / "run", env=env)
-             for data in (tiny_data, other)]
+    nodes = [
+        start_sh("ddp", 1, *EXACT, "--data-path", data, "-b", "8", "--output-dir", tmp_path / "run", env=env)
+        for data in (tiny_data, other)
+    ]
     outputs = [finish(node, [], timeout=120) for node in nodes]
     assert all(node.returncode != 0 for node in nodes), outputs
     for output in outputs:
@@ -262,8 +333,9 @@ def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tm
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
-@pytest.mark.parametrize("script,how", [("train_ddp_launch.py", "bash run.sh launch"),
-                                        ("train_ddp_torchrun.py", "bash run.sh ddp")])
+@pytest.mark.parametrize(
+    "script,how", [("train_ddp_launch.py", "bash run.sh launch"), ("train_ddp_torchrun.py", "bash run.sh ddp")]
+)
 def test_a_ddp_script_started_without_a_launcher_says_how_to_start_it(script, how, capfd):
     proc = in_this_process(script, ["--epochs", "1"], capfd)
     assert proc.returncode == 1
@@ -278,5 +350,7 @@ def test_a_renamed_copy_keeps_its_launcher(tmp_path, capfd):
     shutil.copy(REPO / "train_ddp_launch.py", copy)
     proc = in_this_process(str(copy), ["--epochs", "1"], capfd)
     assert proc.returncode == 1
-    assert proc.stderr == ("error: start this script with a launcher, which runs one process per device: python -m "
-                           "torch.distributed.launch --nproc-per-node=N my_training.py\n"), proc.stderr
+    assert proc.stderr == (
+        "error: start this script with a launcher, which runs one process per device: python -m "
+        "torch.distributed.launch --nproc-per-node=N my_training.py\n"
+    ), proc.stderr

@@ -2,6 +2,7 @@
 
 Training runs are shared across tests (module-scoped fixtures) because each costs seconds of CPU.
 """
+
 import hashlib
 import json
 import os
@@ -19,8 +20,18 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (FAST, NO_NETWORK, REPO, assert_same_weights, finish, in_this_process, job_env,
-                      load_model_state, run, start)
+from conftest import (
+    FAST,
+    NO_NETWORK,
+    REPO,
+    assert_same_weights,
+    finish,
+    in_this_process,
+    job_env,
+    load_model_state,
+    run,
+    start,
+)
 from shared import make_dataset
 
 SCRIPT = "train_single.py"
@@ -35,13 +46,24 @@ def single(*args, env=None):
 
 
 def train_args(data, output_dir, *extra):
-    return ["--data-path", data, "--val-fraction", "0.25", *FAST, "--save-every", str(SAVE_EVERY),
-            "--output-dir", output_dir, *extra]
+    return [
+        "--data-path",
+        data,
+        "--val-fraction",
+        "0.25",
+        *FAST,
+        "--save-every",
+        str(SAVE_EVERY),
+        "--output-dir",
+        output_dir,
+        *extra,
+    ]
 
 
 def check_ok(proc):
-    assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                                  f"--- stderr\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    )
 
 
 def progress_steps(stdout):
@@ -58,10 +80,12 @@ def progress_steps(stdout):
 def scalars(run_dir):
     """TensorBoard scalars of a run folder as {tag: [(step, value), ...]}, read the way TensorBoard reads them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def snapshot(*folders):
@@ -75,9 +99,11 @@ def snapshot(*folders):
 
 
 def assert_untouched(before):
-    changed = [str(path) for path, state in before.items()
-               if not path.is_file() or (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
-               != state]
+    changed = [
+        str(path)
+        for path, state in before.items()
+        if not path.is_file() or (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()) != state
+    ]
     assert not changed, f"files changed or removed: {changed}"
 
 
@@ -89,8 +115,10 @@ def runs(tmp_path_factory, tiny_data):
     nothing (either broken, they differ). Both with every warning shown (PYTHONWARNINGS=default)."""
     out, env = tmp_path_factory.mktemp("single"), job_env(PYTHONWARNINGS="default")
     variants = {"baseline": [], "repeat": ["--resume", "auto", "--workers", "2"]}
-    return {name: SimpleNamespace(dir=out / name, proc=single(*train_args(tiny_data, out / name, *extra), env=env))
-            for name, extra in variants.items()}
+    return {
+        name: SimpleNamespace(dir=out / name, proc=single(*train_args(tiny_data, out / name, *extra), env=env))
+        for name, extra in variants.items()
+    }
 
 
 @pytest.mark.quick
@@ -121,8 +149,14 @@ def test_same_seed_gives_bitwise_identical_weights(runs, baseline, initial_weigh
     assert_same_weights(trained, load_model_state(runs["repeat"].dir / "last.pt"))
     assert_same_weights(load_model_state(baseline.dir / "best.pt"), load_model_state(runs["repeat"].dir / "best.pt"))
     # and the weights are trained ones, not the seeded initial weights saved unchanged
-    assert max((trained[key] - initial_weights[key]).abs().max().item() for key in initial_weights
-               if initial_weights[key].is_floating_point()) > 1e-3
+    assert (
+        max(
+            (trained[key] - initial_weights[key]).abs().max().item()
+            for key in initial_weights
+            if initial_weights[key].is_floating_point()
+        )
+        > 1e-3
+    )
 
 
 @pytest.mark.quick
@@ -150,8 +184,9 @@ def test_results_and_checkpoints(baseline, tiny_data):
     assert results["final_acc"] == results["val_acc"]
     assert f"best val acc {results['best_acc']:.4f}, final {results['final_acc']:.4f}" in baseline.proc.stdout
     epoch_lines = [line for line in baseline.proc.stdout.splitlines() if re.match(r"epoch \d+/\d+  val loss", line)]
-    assert len(epoch_lines) == EPOCHS and all(re.search(r"train time [\d.]+s, \d+% waiting for data", line)
-                                              for line in epoch_lines), epoch_lines
+    assert len(epoch_lines) == EPOCHS and all(
+        re.search(r"train time [\d.]+s, \d+% waiting for data", line) for line in epoch_lines
+    ), epoch_lines
     for name in ("last.pt", "best.pt"):
         checkpoint = torch.load(baseline.dir / name, map_location="cpu", weights_only=True)
         model = torchvision.models.resnet18(num_classes=3)
@@ -177,8 +212,18 @@ def counted_here(state, val):
 
 
 def evaluate_only(checkpoint, tiny_data, output_dir):
-    return single("--data-path", tiny_data, "--val-fraction", "0.25", *FAST, "--test-only", "--resume", checkpoint,
-                  "--output-dir", output_dir)
+    return single(
+        "--data-path",
+        tiny_data,
+        "--val-fraction",
+        "0.25",
+        *FAST,
+        "--test-only",
+        "--resume",
+        checkpoint,
+        "--output-dir",
+        output_dir,
+    )
 
 
 def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, initial_weights, tiny_data, tmp_path):
@@ -190,13 +235,16 @@ def test_per_class_accuracy_and_confusion_match_counts_made_here(baseline, initi
     checkpoint["model"] = initial_weights  # the weights training started from
     torch.save(checkpoint, tmp_path / "untrained.pt")
     check_ok(evaluate_only(tmp_path / "untrained.pt", tiny_data, tmp_path / "untrained"))
-    for results_json, weights in ((baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
-                                  (tmp_path / "untrained" / "results.json", initial_weights)):
+    for results_json, weights in (
+        (baseline.dir / "results.json", load_model_state(baseline.dir / "last.pt")),
+        (tmp_path / "untrained" / "results.json", initial_weights),
+    ):
         results, counts = json.loads(results_json.read_text()), counted_here(weights, val)
         assert counts.sum(dim=1).tolist() == [6, 5, 6]
         assert results["val_confusion"] == counts.tolist(), (results_json, results["val_confusion"], counts)
-        assert results["val_per_class_acc"] == pytest.approx({name: counts[i, i].item() / counts[i].sum().item()
-                                                          for i, name in enumerate(["c0", "c1", "c2"])})
+        assert results["val_per_class_acc"] == pytest.approx(
+            {name: counts[i, i].item() / counts[i].sum().item() for i, name in enumerate(["c0", "c1", "c2"])}
+        )
         assert results.get("final_acc", results.get("val_acc")) == pytest.approx(counts.trace().item() / VAL_COUNT)
     assert not torch.equal(counts, counts.T), counts  # the untrained model's: rows and columns tell apart
 
@@ -226,6 +274,7 @@ def test_tensorboard_scalars(baseline):
     assert all(0 <= value <= 1 for _, value in logged["train/data_wait"])
     # Images: the confusion matrix each epoch, and once, a grid of training images as the model sees them
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     accumulator = EventAccumulator(str(baseline.dir), size_guidance={"images": 0})
     accumulator.Reload()
     assert [event.step for event in accumulator.Images("val/confusion")] == val_steps
@@ -242,6 +291,7 @@ def test_tensorboard_scalars(baseline):
 def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
     """Logger.timed counts the time the loop waits for a batch: a loader as slow as the step is about half the
     training time, and the epoch line says what to try; a fast one is about 0% and says nothing more."""
+
     def batches(seconds):
         for index in range(4):
             time.sleep(seconds)
@@ -281,8 +331,14 @@ def resumed(tmp_path_factory, tiny_data):
         if global_step % SAVE_EVERY == 0 and step < steps_per_epoch:
             saved.append(global_step)  # the script checkpoints right after printing this line
     output = finish(job, lines, timeout=60)
-    result = SimpleNamespace(dir=out, killed_after=killed_after, killed_status=job.returncode, killed_output=output,
-                             results_after_kill=(out / "results.json").exists(), checkpoint=None)
+    result = SimpleNamespace(
+        dir=out,
+        killed_after=killed_after,
+        killed_status=job.returncode,
+        killed_output=output,
+        results_after_kill=(out / "results.json").exists(),
+        checkpoint=None,
+    )
     if (out / "last.pt").exists():
         checkpoint = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
         result.checkpoint = {key: checkpoint.get(key) for key in ("epoch", "samples")}
@@ -296,8 +352,9 @@ def test_kill_mid_epoch_and_resume_gives_identical_weights(resumed, baseline):
     assert resumed.killed_status == -signal.SIGKILL, "the run finished before the kill landed"
     assert not resumed.results_after_kill
     assert resumed.checkpoint is not None, "no last.pt after the kill, although --save-every 2 had saved"
-    assert resumed.checkpoint["samples"] > 0, f"the kill was meant to leave a mid-epoch checkpoint: " \
-                                              f"{resumed.checkpoint}"
+    assert resumed.checkpoint["samples"] > 0, (
+        f"the kill was meant to leave a mid-epoch checkpoint: {resumed.checkpoint}"
+    )
     check_ok(resumed.proc)
     # it continued after the checkpoint instead of starting over, and did every remaining step once
     done = resumed.checkpoint["epoch"] * STEPS_PER_EPOCH + resumed.checkpoint["samples"] // 8  # FAST: -b 8
@@ -360,8 +417,10 @@ def test_demo_data_is_deterministic(tmp_path):
     assert len(files) == 5 * 3
     differing = [str(f) for f in files if (tmp_path / "a" / f).read_bytes() != (tmp_path / "b" / f).read_bytes()]
     assert not differing, f"demo images differ between two generations: {differing}"
-    first_images = {(tmp_path / "a" / name / sorted(os.listdir(tmp_path / "a" / name))[0]).read_bytes()
-                    for name in builtin.DEMO_CLASSES}
+    first_images = {
+        (tmp_path / "a" / name / sorted(os.listdir(tmp_path / "a" / name))[0]).read_bytes()
+        for name in builtin.DEMO_CLASSES
+    }
     assert len(first_images) == 5, "classes should not share images"
     image = builtin.decode_image(tmp_path / "a" / builtin.DEMO_CLASSES[0] / sorted(files)[0].name)
     assert image.shape == (3, 80, 80) and image.dtype == torch.uint8
@@ -397,7 +456,7 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path, capfd, mo
     torch.save(older, tmp_path / "older.pt")
     truncated = tmp_path / "truncated.pt"
     data = (old_run / "last.pt").read_bytes()
-    truncated.write_bytes(data[:len(data) // 2])
+    truncated.write_bytes(data[: len(data) // 2])
     text_pt = tmp_path / "x.pt"
     text_pt.write_text("this is not a checkpoint\n")
     resnet50 = tmp_path / "resnet50.pt"
@@ -431,32 +490,51 @@ def test_bad_input_gives_one_error_line(baseline, tiny_data, tmp_path, capfd, mo
         "--resume missing": (["--data-path", tiny_data, "--resume", tmp_path / "nope.pt"], ["nope.pt", no_such]),
         "--resume truncated": (["--data-path", tiny_data, "--resume", truncated], ["truncated.pt", "checkpoint"]),
         "--resume text file": (["--data-path", tiny_data, "--resume", text_pt], ["x.pt", "checkpoint"]),
-        "--resume other classes": (["--data-path", two_classes, "--resume", old_run / "last.pt"],
-                                   ["last.pt", "class"]),
-        "--resume without samples": (["--data-path", tiny_data, "--resume", tmp_path / "older.pt"],
-                                     ["older.pt", "older version", "--weights"]),
+        "--resume other classes": (["--data-path", two_classes, "--resume", old_run / "last.pt"], ["last.pt", "class"]),
+        "--resume without samples": (
+            ["--data-path", tiny_data, "--resume", tmp_path / "older.pt"],
+            ["older.pt", "older version", "--weights"],
+        ),
         "--weights of resnet50": (["--data-path", tiny_data, "--weights", resnet50], ["resnet50.pt", "resnet18"]),
         "--weights truncated": (["--data-path", tiny_data, "--weights", cut_weights], ["cut_weights", "checkpoint"]),
-        "--weights named for resnet50": (["--data-path", tiny_data, "--weights", "ResNet50_Weights.IMAGENET1K_V2"],
-                                         ["resnet50", "--model"]),
-        "--weights a name resnet18 lacks": (["--data-path", tiny_data, "--weights", "IMAGENET1K_V2"],
-                                            ["IMAGENET1K_V2", "resnet18", "IMAGENET1K_V1"]),
-        "--weights default, no network": (["--data-path", tiny_data, "--weights", "default"],
-                                          ["cannot download", f"put that file at {torch_home}/hub/checkpoints/"]),
-        "--weights DEFAULT, a cut cached file": (["--data-path", tiny_data, "--model", "resnet34", "--weights",
-                                                  "DEFAULT"], ["resnet34-", "delete it"]),
+        "--weights named for resnet50": (
+            ["--data-path", tiny_data, "--weights", "ResNet50_Weights.IMAGENET1K_V2"],
+            ["resnet50", "--model"],
+        ),
+        "--weights a name resnet18 lacks": (
+            ["--data-path", tiny_data, "--weights", "IMAGENET1K_V2"],
+            ["IMAGENET1K_V2", "resnet18", "IMAGENET1K_V1"],
+        ),
+        "--weights default, no network": (
+            ["--data-path", tiny_data, "--weights", "default"],
+            ["cannot download", f"put that file at {torch_home}/hub/checkpoints/"],
+        ),
+        "--weights DEFAULT, a cut cached file": (
+            ["--data-path", tiny_data, "--model", "resnet34", "--weights", "DEFAULT"],
+            ["resnet34-", "delete it"],
+        ),
         "unknown --model": (["--data-path", tiny_data, "--model", "resnet9"], ["resnet9"]),
         "--device cuda": (["--data-path", tiny_data, "--device", "cuda"], ["cuda", "gpu"]),
-        "--output-dir of an earlier run": (["--data-path", tiny_data, "--output-dir", old_run],
-                                           ["old_run", ("already", "earlier", "exists")]),
-        "--output-dir holding only results.json": (["--data-path", tiny_data, "--output-dir", results_only],
-                                                   ["results_only", "results.json", "--resume auto"]),
+        "--output-dir of an earlier run": (
+            ["--data-path", tiny_data, "--output-dir", old_run],
+            ["old_run", ("already", "earlier", "exists")],
+        ),
+        "--output-dir holding only results.json": (
+            ["--data-path", tiny_data, "--output-dir", results_only],
+            ["results_only", "results.json", "--resume auto"],
+        ),
     }
     before = snapshot(tmp_path, tiny_data)
 
     def args(name, outputs="out"):
-        return ["--val-fraction", "0.25", *FAST, "--output-dir", tmp_path / outputs / re.sub(r"\W+", "_", name),
-                *cases[name][0]]
+        return [
+            "--val-fraction",
+            "0.25",
+            *FAST,
+            "--output-dir",
+            tmp_path / outputs / re.sub(r"\W+", "_", name),
+            *cases[name][0],
+        ]
 
     env = {"TORCH_HOME": str(torch_home), **NO_NETWORK}
     for name, value in env.items():
@@ -504,8 +582,20 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, t
     new head, which starts as the scripts' initial weights' head, learns."""
     pretrained, initial = hub_cache[1], initial_weights
     torch.save(pretrained, tmp_path / "resnet18.pth")
-    proc = single(*FAST, "--data-path", tiny_data, "--val-fraction", "0.25", "--epochs", "1", "--weights",
-                  tmp_path / "resnet18.pth", "--freeze", "--output-dir", tmp_path / "run")
+    proc = single(
+        *FAST,
+        "--data-path",
+        tiny_data,
+        "--val-fraction",
+        "0.25",
+        "--epochs",
+        "1",
+        "--weights",
+        tmp_path / "resnet18.pth",
+        "--freeze",
+        "--output-dir",
+        tmp_path / "run",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = load_model_state(tmp_path / "run" / "last.pt")
     backbone = {k: v for k, v in pretrained.items() if not k.startswith("fc.")}
