@@ -1,6 +1,7 @@
 """The built-in data and model that each script's build_datasets() and build_model() use by default: image folders
 (--data-path, or the generated demo data) read as uint8 tensors with their augmentation, and torchvision's ResNet
 with its ImageNet weights (--model, --weights, --freeze). Yours replace them; then this file is not needed."""
+
 import contextlib
 import gc
 import math
@@ -21,8 +22,9 @@ from utils import BadImageError, UsageError
 
 collecting = gc.isenabled()
 gc.disable()  # torchvision's import makes ~150,000 objects that live on: collecting among them costs ~0.3 s a process
-import torchvision  # noqa: E402
-import torchvision.transforms.v2.functional as TF  # noqa: E402
+import torchvision
+import torchvision.transforms.v2.functional as TF
+
 if collecting:  # as it was: importing builtin changes nothing in your program
     gc.enable()
 
@@ -32,6 +34,7 @@ DEMO_CLASSES = ("checkers", "disc", "hstripes", "rings", "vstripes")
 
 try:  # TorchCodec: PyTorch's image decoder (torchvision.io's is deprecated); PIL where it is not installed
     from torchcodec.decoders import decode_image as codec_decode, decode_jpeg as codec_jpeg
+
     codec_missing = None
 except Exception as error:  # not installed, or built for another torch: datasets() says so
     codec_decode = codec_jpeg = None
@@ -43,16 +46,29 @@ MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 
 def add_arguments(parser):
     """The built-in task's flags: the image folders' and the ResNet's."""
-    parser.add_argument("--data-path", help="folder of class sub-folders, or of train/ and val/ class folders "
-                        "(default: the built-in demo data, generated into data/demo on first use)")
+    parser.add_argument(
+        "--data-path",
+        help="folder of class sub-folders, or of train/ and val/ class folders "
+        "(default: the built-in demo data, generated into data/demo on first use)",
+    )
     parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
-    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of each class held out for "
-                        "validation when --data-path has no train/ and val/ folders")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.2,
+        help="share of each class held out for validation when --data-path has no train/ and val/ folders",
+    )
     parser.add_argument("--model", default="resnet18", choices=MODELS)
-    parser.add_argument("--weights", help="initial weights: a local torchvision state dict or one of our checkpoints, "
-                        "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once")
-    parser.add_argument("--freeze", action="store_true",
-                        help="train only the classifier head; backbone frozen and its BatchNorm in eval mode")
+    parser.add_argument(
+        "--weights",
+        help="initial weights: a local torchvision state dict or one of our checkpoints, "
+        "or torchvision's name for --model's (DEFAULT, IMAGENET1K_V1, ...), downloaded once",
+    )
+    parser.add_argument(
+        "--freeze",
+        action="store_true",
+        help="train only the classifier head; backbone frozen and its BatchNorm in eval mode",
+    )
     parser.set_defaults(epochs=12)  # the demo's, and a fine-tuning's from --weights
 
 
@@ -62,8 +78,11 @@ def datasets(args):
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     img_size = args.img_size or (64 if args.data_path is None else 224)
     if codec_missing and int(os.environ.get("RANK", 0)) == 0:
-        print(f"warning: TorchCodec cannot be imported ({codec_missing}): the images are decoded with PIL, slower on "
-              f"small images; pip install -r requirements.txt", flush=True)
+        print(
+            f"warning: TorchCodec cannot be imported ({codec_missing}): the images are decoded with PIL, slower on "
+            f"small images; pip install -r requirements.txt",
+            flush=True,
+        )
     classes, train_files, val_files = find_images(args.data_path or demo_data(), args.val_fraction)
     train_set = ImageFiles(train_files, img_size, train=True)
     val_set = ImageFiles(val_files, img_size, train=False)
@@ -78,14 +97,18 @@ def find_images(data_path, val_fraction):
     if not root.is_dir():
         raise UsageError(f"--data-path {data_path}: not a directory; give a folder of class sub-folders")
     if (root / "train").is_dir() and (root / "val").is_dir():
-        (classes, train), (val_classes, val) = scan_classes(root / "train"), scan_classes(root / "val")
-        if unknown := sorted(set(val_classes) - set(classes)):
+        classes, train = scan_classes(root / "train")
+        val_classes, val = scan_classes(root / "val")
+        unknown = sorted(set(val_classes) - set(classes))
+        if unknown:
             raise UsageError(f"{root / 'val'} has classes missing from {root / 'train'}: {', '.join(unknown)}")
         index = {name: i for i, name in enumerate(classes)}
         val = [(path, index[val_classes[label]]) for path, label in val]
     else:
         classes, found = scan_classes(root)
-        per_class, train, val = [[] for _ in classes], [], []
+        per_class = [[] for _ in classes]
+        train = []
+        val = []
         for path, label in found:  # one pass: start-up stays linear in the number of files
             per_class[label].append(path)
         for label, files in enumerate(per_class):
@@ -102,19 +125,25 @@ def find_images(data_path, val_fraction):
 def scan_classes(root):
     """(class names, [(path, label)]) of root/<class>/**/<image file>, hidden files and folders left out."""
     classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    if not classes:
+        raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
     if len(classes) < 2:
-        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders"
-                         if classes else f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
+        raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
     found = []
     for label, name in enumerate(classes):
         files = []
         for folder, subfolders, names in os.walk(root / name):
             subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-            files += [os.path.join(folder, f) for f in sorted(names)
-                      if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+            files += [
+                os.path.join(folder, f)
+                for f in sorted(names)
+                if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)
+            ]
         if not files:
-            raise UsageError(f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                             f"add some or remove the folder")
+            raise UsageError(
+                f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                f"add some or remove the folder"
+            )
         found += [(f, label) for f in files]
     return classes, found
 
@@ -123,7 +152,8 @@ class FileList:
     """A read-only list of (path, label) pairs in two numpy arrays: a list of tuples is written to by every read
     (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
 
-    def __init__(self, pairs):  # fsencode/fsdecode round-trip undecodable file names
+    def __init__(self, pairs):
+        # as bytes: fsencode/fsdecode round-trip undecodable file names
         self.paths = numpy.array([os.fsencode(path) for path, _ in pairs], dtype=bytes)
         self.labels = numpy.array([label for _, label in pairs], dtype=numpy.int64)
 
@@ -139,7 +169,9 @@ class ImageFiles(Dataset):
     item's random crop and flip come from torch's generator (SeededItems seeds it per sample)."""
 
     def __init__(self, files, img_size, train):
-        self.files, self.img_size, self.train = files, img_size, train
+        self.files = files
+        self.img_size = img_size
+        self.train = train
 
     def __len__(self):
         return len(self.files)
@@ -148,22 +180,31 @@ class ImageFiles(Dataset):
         path, label = self.files[index]
         crop = {}  # chosen on the full-size image: width, top, left, height, box_width, flip
 
-        def scale(height, width):  # the crop, then 1/8, 1/4 or 1/2 if the crop stays >= the target at that scale
-            top, left, h, w, flip = random_crop_box(height, width) if self.train else (0, 0, height, width, False)
+        def scale(height, width):
+            """Choose the crop of an image of that size; return 8, 4 or 2 to decode it at that fraction of its size
+            (the crop still at least the target size), else 1."""
+            if self.train:
+                top, left, h, w, flip = random_crop_box(height, width)
+            else:  # the whole image, resized and centre-cropped below
+                top, left, h, w, flip = 0, 0, height, width, False
             crop.update(width=width, top=top, left=left, height=h, box_width=w, flip=flip)
             target = self.img_size if self.train else round(self.img_size * 8 / 7)
             return next((s for s in (8, 4, 2) if min(h, w) >= s * target), 1)
+
         image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
         if not crop:  # other images: once decoded
             scale(*image.shape[-2:])
         if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
             return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
         ratio = image.shape[-1] / crop["width"]  # the crop, mapped onto an image decoded smaller (else 1)
-        top, left = round(crop["top"] * ratio), round(crop["left"] * ratio)
-        bottom, right = round((crop["top"] + crop["height"]) * ratio), round((crop["left"] + crop["box_width"]) * ratio)
+        top = round(crop["top"] * ratio)
+        left = round(crop["left"] * ratio)
+        bottom = round((crop["top"] + crop["height"]) * ratio)
+        right = round((crop["left"] + crop["box_width"]) * ratio)
         # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
-        image = torch.nn.functional.interpolate(image[None, :, top:bottom, left:right], size=[self.img_size] * 2,
-                                                mode="bilinear", antialias=True)[0]
+        image = torch.nn.functional.interpolate(
+            image[None, :, top:bottom, left:right], size=[self.img_size] * 2, mode="bilinear", antialias=True
+        )[0]
         return image.flip(-1) if crop["flip"] else image, label
 
     def large_photo_hint(self):
@@ -172,7 +213,8 @@ class ImageFiles(Dataset):
         for i in range(0, len(self), len(self) // 8 or 1):
             with Image.open(self.files[i][0]) as image:  # the header only
                 sides.append(min(image.size))
-        if (side := sorted(sides)[len(sides) // 2]) >= 4 * self.img_size:
+        side = sorted(sides)[len(sides) // 2]  # the median
+        if side >= 4 * self.img_size:
             return f"{side} px images for a {self.img_size} px crop: train on a copy from bash run.sh shrink"
 
 
@@ -182,7 +224,8 @@ def random_crop_box(height, width, generator=None, scale=(0.25, 1.0), ratio=(3 /
         area_u, ratio_u, top_u, left_u, flip_u = torch.rand(5, generator=generator).tolist()
         area = height * width * (scale[0] + area_u * (scale[1] - scale[0]))
         aspect = math.exp(math.log(ratio[0]) + ratio_u * (math.log(ratio[1]) - math.log(ratio[0])))
-        w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        w = round(math.sqrt(area * aspect))
+        h = round(math.sqrt(area / aspect))
         if 0 < w <= width and 0 < h <= height:
             return int(top_u * (height - h + 1)), int(left_u * (width - w + 1)), h, w, flip_u < 0.5
     return 0, 0, height, width, flip_u < 0.5
@@ -208,9 +251,11 @@ def decode_image(path, scale=None):
             image = decode(torch.frombuffer(data, dtype=torch.uint8), mode="RGB")
             return image[0] if image.dim() == 4 else image  # an animated GIF's frames: the first, as PIL gives
     except Image.DecompressionBombError as error:
-        raise BadImageError(f"image {path} has {error}, over PIL.Image.MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS}): "
-                            f"refused undecoded, as a possible decompression bomb; for a dataset of such images, raise "
-                            f"that limit in build_datasets(), or make smaller copies with bash run.sh shrink") from None
+        raise BadImageError(
+            f"image {path} has {error}, over PIL.Image.MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS}): "
+            f"refused undecoded, as a possible decompression bomb; for a dataset of such images, raise "
+            f"that limit in build_datasets(), or make smaller copies with bash run.sh shrink"
+        ) from None
     except Exception:  # a format TorchCodec does not decode (BMP, TIFF, ...): let PIL try before giving up
         pass
     try:
@@ -242,14 +287,18 @@ def jpeg_size(data):
     i = 2 if data[:2] == b"\xff\xd8" else len(data)
     while i + 9 < len(data) and data[i] == 0xFF:
         if 0xC0 <= data[i + 1] <= 0xCF and data[i + 1] not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
-        i += 1 if data[i + 1] == 0xFF else 2 + int.from_bytes(data[i + 2:i + 4], "big")  # a fill byte, or a segment
+            return int.from_bytes(data[i + 5 : i + 7], "big"), int.from_bytes(data[i + 7 : i + 9], "big")
+        if data[i + 1] == 0xFF:  # a fill byte
+            i += 1
+        else:  # a segment: its marker, then its length (which counts itself)
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
 
 
 def demo_data():
     """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
     if not DEMO_DIR.is_dir():
-        make_demo_images(partial := DEMO_DIR.with_name(f".demo-{os.getpid()}"))  # renamed into place: never half
+        partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: never half-written
+        make_demo_images(partial)
         with contextlib.suppress(OSError):  # (another process finished first; its images are identical)
             os.rename(partial, DEMO_DIR)
         shutil.rmtree(partial, ignore_errors=True)
@@ -263,12 +312,23 @@ def make_demo_images(folder, per_class=200, size=80):
         (folder / name).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             g = torch.Generator().manual_seed(label * 100_000 + i)
-            freq, phase = 2 + 3 * torch.rand(1, generator=g), 6.3 * torch.rand(1, generator=g)
-            radius, centre = 0.2 + 0.15 * torch.rand(1, generator=g), 0.3 + 0.4 * torch.rand(2, generator=g)
-            wave = lambda t, freq=freq, phase=phase: torch.sin(2 * math.pi * freq * t + phase)  # noqa: E731
+            # drawn in this order: another changes every image
+            freq = 2 + 3 * torch.rand(1, generator=g)
+            phase = 6.3 * torch.rand(1, generator=g)
+            radius = 0.2 + 0.15 * torch.rand(1, generator=g)
+            centre = 0.3 + 0.4 * torch.rand(2, generator=g)
+
+            def wave(t, freq=freq, phase=phase):
+                return torch.sin(2 * math.pi * freq * t + phase)
+
             distance = ((x - centre[0]) ** 2 + (y - centre[1]) ** 2).sqrt()
-            pattern = {"checkers": wave(x) * wave(y) > 0, "disc": distance < radius, "hstripes": wave(y) > 0,
-                       "vstripes": wave(x) > 0, "rings": wave(distance) > 0}[name].float()
+            pattern = {
+                "checkers": wave(x) * wave(y) > 0,
+                "disc": distance < radius,
+                "hstripes": wave(y) > 0,
+                "vstripes": wave(x) > 0,
+                "rings": wave(distance) > 0,
+            }[name].float()
             background = torch.rand(3, 1, 1, generator=g)
             foreground = (background + 0.35 + 0.3 * torch.rand(3, 1, 1, generator=g)) % 1
             image = background + (foreground - background) * pattern + 0.08 * torch.randn(3, size, size, generator=g)
@@ -282,15 +342,18 @@ def resnet(name, num_classes, weights=None, freeze=False):
     freeze: only the head (fc) trains."""
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if weights:
-        state, own = load_weights(name, weights), model.state_dict()
+        state = load_weights(name, weights)
+        own = model.state_dict()
         skipped = {k for k in ("fc.weight", "fc.bias") if k in state and state[k].shape != own[k].shape}
         try:
             missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, False)
         except RuntimeError as error:
             raise UsageError(f"--weights {weights} do not fit {name}: {str(error).splitlines()[1].strip()}") from None
         if set(missing) - skipped or unexpected:
-            raise UsageError(f"--weights {weights} do not fit {name}: {len(set(missing) - skipped)} missing and "
-                             f"{len(unexpected)} unexpected keys; pass weights saved from a {name}")
+            raise UsageError(
+                f"--weights {weights} do not fit {name}: {len(set(missing) - skipped)} missing and "
+                f"{len(unexpected)} unexpected keys; pass weights saved from a {name}"
+            )
     for param_name, param in model.named_parameters():
         param.requires_grad = not freeze or param_name.startswith("fc.")
     return model
@@ -302,14 +365,19 @@ def load_weights(name, weights):
     if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
         state = utils.load_file(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
-    enum, (family, _, short) = torchvision.models.get_model_weights(name), weights.upper().rpartition(".")
+    enum = torchvision.models.get_model_weights(name)
+    family, _, short = weights.upper().rpartition(".")  # e.g. RESNET18_WEIGHTS, IMAGENET1K_V1
     if family and family != enum.__name__.upper():
         other = family.removesuffix("_WEIGHTS").lower()
-        raise UsageError(f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
-                         f"{name}'s: {', '.join(enum.__members__)}")
+        raise UsageError(
+            f"--weights {weights} are for {other}, not {name}: add --model {other}, or give one of "
+            f"{name}'s: {', '.join(enum.__members__)}"
+        )
     if short not in enum.__members__:
-        raise UsageError(f"--weights {weights}: no such file, and torchvision has no weights of that name for "
-                         f"{name}; it has {', '.join(enum.__members__)}")
+        raise UsageError(
+            f"--weights {weights}: no such file, and torchvision has no weights of that name for "
+            f"{name}; it has {', '.join(enum.__members__)}"
+        )
     # the file torch.hub.load_state_dict_from_url reads, or downloads to (a temporary file, renamed when complete)
     url = enum[short].url
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
@@ -317,6 +385,11 @@ def load_weights(name, weights):
         return enum[short].get_state_dict(map_location="cpu", weights_only=True, check_hash=True)
     except Exception as error:
         reason = str(error).strip().splitlines()[0].split(". ")[0][:120] if str(error).strip() else repr(error)
-        raise UsageError(f"--weights {weights}: {cached} is not readable ({reason}); delete it to download it again"
-                         if cached.exists() else f"--weights {weights}: cannot download {url} ({reason}); on a "
-                         f"machine without network, put that file at {cached}") from None
+        if cached.exists():
+            raise UsageError(
+                f"--weights {weights}: {cached} is not readable ({reason}); delete it to download it again"
+            ) from None
+        raise UsageError(
+            f"--weights {weights}: cannot download {url} ({reason}); on a machine without network, put that file "
+            f"at {cached}"
+        ) from None

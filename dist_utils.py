@@ -1,6 +1,7 @@
 """Helpers for the rungs that a launcher starts (DDP, AMP, FSDP), beside utils.py: the launcher's environment, elastic
 restarts, the ranks' checks, stop vote and error exit, the run folder claimed for all ranks, the autocast dtype.
 FSDP's own helpers are in fsdp_utils.py."""
+
 import contextlib
 import datetime
 import os
@@ -23,29 +24,45 @@ def require_launcher(launcher):
     pod's plain python (one process per pod) or SLURM's `srun python` (one task per process; docs/running.md).
     launcher: the script's, named in the line said without one: "torchrun", or "torch.distributed.launch" (its
     processes get --local-rank, and no ranks from srun)."""
-    env, name = os.environ, Path(sys.argv[0]).name
+    env = os.environ
+    name = Path(sys.argv[0]).name
     launch = launcher == "torch.distributed.launch"
     if "RANK" in env and "LOCAL_RANK" not in env:  # a PyTorchJob's plain python: one process per pod
         if env.get("PET_NNODES", env["WORLD_SIZE"]) != env["WORLD_SIZE"]:  # nprocPerNode > 1: torchrun's to start
-            raise UsageError(f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
-                             f"process per pod: start the pod's command with torchrun (it reads PET_*)")
+            raise UsageError(
+                f"WORLD_SIZE {env['WORLD_SIZE']} for {env['PET_NNODES']} pods, but python starts one "
+                f"process per pod: start the pod's command with torchrun (it reads PET_*)"
+            )
         env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     elif "RANK" not in env and "SLURM_STEP_NUM_TASKS" in env and not launch:  # srun: a task per process
         # LOCAL_WORLD_SIZE: the first node's tasks; MASTER_ADDR: the step's first node, unless given
         host = re.match(r"([^,\[]*)(?:\[([^-,\]]*)[^\]]*\]([^,]*))?", env["SLURM_STEP_NODELIST"]).groups("")
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"],
-                   LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],
-                   MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),
-                   MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)))
+        env.update(
+            RANK=env["SLURM_PROCID"],
+            WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"],
+            LOCAL_RANK=env["SLURM_LOCALID"],
+            LOCAL_WORLD_SIZE=re.match(r"\d+", env["SLURM_STEP_TASKS_PER_NODE"])[0],
+            MASTER_ADDR=env.get("MASTER_ADDR", "".join(host)),
+            MASTER_PORT=env.get("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 10000)),
+        )
     if "RANK" not in env:
         command = "python -m torch.distributed.launch" if launch else "torchrun --standalone"
-        modes = {"train_ddp_launch.py": "launch", "train_ddp_torchrun.py": "ddp", "train_ddp_amp.py": "amp",
-                 "train_fsdp.py": "fsdp"}
+        modes = {
+            "train_ddp_launch.py": "launch",
+            "train_ddp_torchrun.py": "ddp",
+            "train_ddp_amp.py": "amp",
+            "train_fsdp.py": "fsdp",
+        }
         run_sh = f"bash run.sh {modes[name]} [N], or " if name in modes else ""  # (not for a renamed copy)
-        raise UsageError(f"start this script with a launcher, which runs one process per device: {run_sh}{command} "
-                         f"--nproc-per-node=N {name}")
-    if sys.platform.startswith("linux"):  # the launcher killed (kill -9, the OOM killer): SIGTERM, a stop that
-        import ctypes  # saves, instead of ranks that train on as orphans into a folder whose job looks dead
+        raise UsageError(
+            f"start this script with a launcher, which runs one process per device: {run_sh}{command} "
+            f"--nproc-per-node=N {name}"
+        )
+    # The launcher killed (kill -9, the OOM killer): SIGTERM, a stop that saves, instead of ranks that train on as
+    # orphans into a folder whose job looks dead
+    if sys.platform.startswith("linux"):
+        import ctypes
+
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process
 
 
@@ -71,25 +88,36 @@ def restart_safe_store(timeout):
         wait_for_master(timeout)
         return None
     if int(os.environ["GROUP_WORLD_SIZE"]) > 1 and int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > 0:
-        raise UsageError("restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                         "environment (run.sh sets it), or the restarted nodes may never meet again")
-    return dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=datetime.timedelta(seconds=timeout)))
+        raise UsageError(
+            "restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment (run.sh sets it), or the restarted nodes may never meet again"
+        )
+    return dist.PrefixStore(
+        f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        ),
+    )
 
 
 def wait_for_master(timeout):
     """Where rank 0 hosts the store (plain python, srun, torchrun with a fresh store per attempt) the others wait for
     it; if it never answers, one line says why (init_process_group would end with dozens of C++ lines)."""
-    address, deadline = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), time.monotonic() + timeout
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    deadline = time.monotonic() + timeout
     while int(os.environ["RANK"]) > 0:
         try:
             return socket.create_connection(address, timeout=5).close()
         except OSError as error:  # not resolved, refused or unreachable yet: normal while rank 0 starts
             if time.monotonic() > deadline:
-                raise UsageError(f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
-                                 f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
-                                 f"both, and that rank 0 (the master pod, the first task) runs") from None
+                raise UsageError(
+                    f"rank {os.environ['RANK']} cannot reach MASTER_ADDR:MASTER_PORT {address[0]}:"
+                    f"{address[1]} within --dist-timeout {timeout} s ({error.strerror or error}): check "
+                    f"both, and that rank 0 (the master pod, the first task) runs"
+                ) from None
             time.sleep(0.25)
 
 
@@ -108,16 +136,24 @@ def same_on_every_rank(classes, train_set, val_set, resume_point):
     """Stop before training if the ranks do not see the same data or resume point (each node reads its own disk):
     they would train on mismatched samples, or hang on different numbers of steps."""
     if len(val_set) < dist.get_world_size():  # a rank with no validation image would wait in FSDP's evaluation
-        raise UsageError(f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
-                         f"one at least (raise --val-fraction or add images)")
+        raise UsageError(
+            f"{len(val_set)} validation images for {dist.get_world_size()} processes: give each process "
+            f"one at least (raise --val-fraction or add images)"
+        )
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(classes=classes, training_images=len(train_set),
-                                          validation_images=len(val_set), resume_point=resume_point))
+    dist.all_gather_object(
+        gathered,
+        dict(
+            classes=classes, training_images=len(train_set), validation_images=len(val_set), resume_point=resume_point
+        ),
+    )
     for rank, seen in enumerate(gathered):
         for name, value in seen.items():
             if value != gathered[0][name]:
-                raise UsageError(f"rank {rank} sees {name} {str(value)[:60]}, rank 0 sees {str(gathered[0][name])[:60]}"
-                                 f": every node needs the same --data-path contents and --output-dir (a shared disk)")
+                raise UsageError(
+                    f"rank {rank} sees {name} {str(value)[:60]}, rank 0 sees {str(gathered[0][name])[:60]}"
+                    f": every node needs the same --data-path contents and --output-dir (a shared disk)"
+                )
 
 
 def claim_output_dir(output_dir):
@@ -135,8 +171,10 @@ def claim_output_dir(output_dir):
 
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
 TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
-COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation "
-                                  r"timeout")  # gloo's and NCCL's: a RuntimeError
+# gloo's and NCCL's: a RuntimeError
+COLLECTIVE_TIMED_OUT = re.compile(
+    r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation timeout"
+)
 
 
 @contextlib.contextmanager
@@ -165,9 +203,12 @@ def peer_failure(error):
     if PEER_GONE.search(text):  # a consequence: the process that ended first says why
         return f"rank {os.environ.get('RANK', 0)} stops: another process of the job has ended ({first_line(error)})"
     if COLLECTIVE_TIMED_OUT.search(text) or (isinstance(error, dist.DistError) and TIMED_OUT.search(text)):
-        return (f"error: the other processes did not all answer within --dist-timeout ({first_line(error)}): one is "
-                f"missing or stuck (a process that never started, a hung read, a stuck driver); start every process "
-                f"(every node), or raise --dist-timeout")  # (said by each rank that waited)
+        # said by each rank that waited
+        return (
+            f"error: the other processes did not all answer within --dist-timeout ({first_line(error)}): one is "
+            f"missing or stuck (a process that never started, a hung read, a stuck driver); start every process "
+            f"(every node), or raise --dist-timeout"
+        )
     return None
 
 
@@ -177,13 +218,15 @@ class StopOnSignal:
     to every worker, SLURM and terminals reach every process of the job themselves."""
 
     def __init__(self):
-        self.seen, self.signum = [], 0
+        self.seen = []  # the signals that reached this rank
+        self.signum = 0  # the one the ranks agreed on (0: none)
         # The vote is an all-reduce of a CPU tensor (gloo): reading a GPU's would wait for all the work queued on it
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda signum, frame: self.seen.append(signum))
 
-    def __bool__(self):  # a signal reached this rank
+    def __bool__(self):
+        """Whether a signal reached this rank."""
         return bool(self.seen)
 
     def agreed(self):
@@ -198,8 +241,11 @@ class StopOnSignal:
 
     def exit(self, step, output_dir):
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
-                  f"with --resume auto --output-dir {output_dir}", flush=True)
+            print(
+                f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
+                f"with --resume auto --output-dir {output_dir}",
+                flush=True,
+            )
         sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
 
 
@@ -219,11 +265,15 @@ def autocast_dtype(requested, device):
     if device.type == "cpu" and requested == "fp16":
         raise UsageError("--amp-dtype fp16 needs a GPU; use --amp-dtype bf16 on the CPU")
     if device.type == "cpu" and not cpu_computes_bf16():
-        slow = ("this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
-                "autocast runs 10-30x slower than fp32 here (docs/performance.md)")
+        slow = (
+            "this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it: x86 without AVX512): bf16 "
+            "autocast runs 10-30x slower than fp32 here (docs/performance.md)"
+        )
         if requested is None:
-            raise UsageError(f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
-                             f"--amp-dtype bf16 to run anyway")
+            raise UsageError(
+                f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
+                f"--amp-dtype bf16 to run anyway"
+            )
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"warning: {slow}", flush=True)
     return torch.float16 if requested == "fp16" else torch.bfloat16

@@ -1,5 +1,6 @@
 """Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints read without running code from
 them, the bytes each rank's shards hold, and the process group let go of at once on every exit."""
+
 import contextlib
 import gc
 import io
@@ -39,20 +40,34 @@ def release_meshes():
 def shard_bytes(model, optimizer):
     """Bytes of this rank's shards of the parameters, gradients and optimizer state (AdamW's step counts are
     plain tensors, on every rank)."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (a DTensor's shard)
-    return {name: sum(local(t).nbytes for t in tensors if t is not None) for name, tensors in (
-        ("params", list(model.parameters())), ("grads", [p.grad for p in model.parameters()]),
-        ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]))}
+
+    def local(tensor):
+        """A DTensor's shard on this rank; a plain tensor as it is."""
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    return {
+        name: sum(local(t).nbytes for t in tensors if t is not None)
+        for name, tensors in (
+            ("params", list(model.parameters())),
+            ("grads", [p.grad for p in model.parameters()]),
+            ("optimizer", [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]),
+        )
+    }
 
 
 def sharded_checkpoint(run_dir, name):
     """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
     last.pt: it must be a folder of the same run folder."""
     folder = Path(run_dir) / str(name)
-    if not (re.fullmatch(r"last-[\w.-]+\.dcp", str(name)) and folder.is_dir()
-            and folder.resolve().parent == Path(run_dir).resolve()):
-        raise UsageError(f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
-                         f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights")
+    if not (
+        re.fullmatch(r"last-[\w.-]+\.dcp", str(name))
+        and folder.is_dir()
+        and folder.resolve().parent == Path(run_dir).resolve()
+    ):
+        raise UsageError(
+            f"--resume {Path(run_dir) / 'last.pt'}: its shards, {str(name)[:80]!r}, are not a folder "
+            f"beside it; resume from a last.pt that train_fsdp.py wrote, or start from --weights"
+        )
     return SafeReader(folder)
 
 
@@ -61,11 +76,23 @@ class SafeReader(dcp.FileSystemReader):
     (the optimizer's settings) with torch.load(weights_only=False): either could run code from a crafted folder.
     This one admits in the metadata only the checkpoint's own types, and loads the items with weights_only=True (its
     planner). The metadata is read here, on every rank alike: a refused folder ends in one line."""
-    TYPES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                                       "TensorStorageMetadata", "BytesStorageMetadata",
-                                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-             "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
-             "torch": {"Size"}, "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}}
+
+    TYPES = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    }
 
     def __init__(self, folder):
         super().__init__(folder)
@@ -74,9 +101,12 @@ class SafeReader(dcp.FileSystemReader):
                 self.metadata = self.Unpickler(f).load()
             files = [info.relative_path for info in self.metadata.storage_data.values()]
         except Exception as error:
-            raise UsageError(f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
-                             f"checkpoint that these scripts wrote") from None
-        if strays := [name for name in files if Path(name).name != name or name in ("", ".", "..")]:
+            raise UsageError(
+                f"--resume: {folder}/.metadata was refused ({first_line(error)}); resume from a sharded "
+                f"checkpoint that these scripts wrote"
+            ) from None
+        strays = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
+        if strays:
             raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
         self.planner = SafeLoadPlanner()
 
@@ -88,16 +118,22 @@ class SafeReader(dcp.FileSystemReader):
         return self.metadata
 
     class Unpickler(pickle.Unpickler):
+        """pickle's, admitting only TYPES and torch's dtypes."""
+
         def find_class(self, module, name):
             if name in SafeReader.TYPES.get(module, ()) or (
-                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            ):
                 return super().find_class(module, name)
             raise pickle.UnpicklingError(f"{module}.{name} is not a type of a checkpoint's metadata")
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """dcp's planner, but the items that are not tensors (the optimizer's settings) load with weights_only=True."""
+
     def load_bytes(self, read_item, value):
-        safe = io.BytesIO()  # the item loaded with weights_only=True, and handed on as torch's own copy of it
+        """The item loaded with weights_only=True, and handed on as torch's own copy of it."""
+        safe = io.BytesIO()
         torch.save(torch.load(value, weights_only=True), safe)
         safe.seek(0)
         super().load_bytes(read_item, safe)

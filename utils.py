@@ -1,5 +1,6 @@
 """Helpers every train_*.py script shares unchanged: arguments, the device, the sample stream, checkpoints, how a run
 ends, logging. dist_utils.py adds what the multi-process rungs need; builtin.py holds our image folders and ResNet."""
+
 import argparse
 import atexit
 import contextlib
@@ -28,23 +29,28 @@ import numpy
 import torch
 from torch.utils.data import Dataset
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# ImageNet's per-channel (RGB) mean and standard deviation, in 0-1
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
 
 
-class UsageError(Exception):  # bad input: one line, no traceback, exit status 1 (one_line_errors)
+class UsageError(Exception):
+    """Bad input: one line, no traceback, exit status 1 (one_line_errors)."""
+
     def __init__(self, message):
         if "Traceback" in message:  # re-raised from a loader worker, its traceback in the message: our line only
             message = message.strip().splitlines()[-1].split("Error: ", 1)[-1]
         super().__init__(message)
 
 
-class BadImageError(UsageError):  # an undecodable image: only the process that read it knows, so it reports it
-    pass
+class BadImageError(UsageError):
+    """An undecodable image: only the process that read it knows, so it reports it."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # raise instead of exiting, so that a multi-process job reports it once
+    def error(self, message):
+        """Raise instead of exiting, so that a multi-process job reports it once."""
         raise UsageError(f"{message} (see --help)")
 
 
@@ -55,33 +61,51 @@ def get_args_parser(description):
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("-b", "--batch-size", type=int, default=32, help="samples per process and step")
     parser.add_argument("--opt", default="sgd", choices=("sgd", "adamw"), help="the optimizer (build_optimizer())")
-    parser.add_argument("--lr", type=float, help="learning rate for a global batch of 256, scaled linearly to the "
-                        "real global batch, with linear warm-up and cosine decay (default: 0.1 for sgd, 5e-4 for "
-                        "adamw)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        help="learning rate for a global batch of 256, scaled linearly to the "
+        "real global batch, with linear warm-up and cosine decay (default: 0.1 for sgd, 5e-4 for "
+        "adamw)",
+    )
     parser.add_argument("--weight-decay", type=float, help="default: 1e-4 for sgd, 0.05 for adamw")
-    parser.add_argument("-j", "--workers", type=int, help="data loading processes per training process (default: "
-                        "with a GPU, the cores per process less one; on a CPU, 1)")
+    parser.add_argument(
+        "-j",
+        "--workers",
+        type=int,
+        help="data loading processes per training process (default: "
+        "with a GPU, the cores per process less one; on a CPU, 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
     parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N optimizer steps")
     parser.add_argument("--test-only", action="store_true", help="only evaluate the checkpoint given by --resume")
-    parser.add_argument("--device", help="cpu, cuda, cuda:N, xpu, mps (default: the accelerator torch finds, else "
-                        "the CPU)")
+    parser.add_argument(
+        "--device", help="cpu, cuda, cuda:N, xpu, mps (default: the accelerator torch finds, else the CPU)"
+    )
     parser.add_argument("--print-freq", type=int, default=10, help="steps between progress lines")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps (after 3 warm-up "
-                        "steps) with torch.profiler; writes trace.json (tools/profile_report.py reads it)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N steps (after 3 warm-up "
+        "steps) with torch.profiler; writes trace.json (tools/profile_report.py reads it)",
+    )
     return parser
 
 
-def check_args(args):  # the shared arguments checked, and the defaults that depend on the data and the machine
+def check_args(args):
+    """The shared arguments checked, and the defaults that depend on the data and the machine filled in."""
     positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
     others = ("workers", "save_every", "profile", "seed", "clip_grad", "hsdp", "weight_decay")
     for name in (*positive, *others):  # every rung's numbers, and the built-in task's
         value = getattr(args, name, None)  # None: a flag this rung does not have, or a default filled in below
         if value is not None and not (math.isfinite(value) and (value > 0 if name in positive else value >= 0)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '0 or more'}, "
-                             f"got {value}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be {'positive' if name in positive else '0 or more'}, got {value}"
+            )
     if args.seed >= 2**62:  # torch's generators take 64 bits, and the shuffle's seed is seed + epoch
         raise UsageError(f"--seed must be below 2**62, got {args.seed}")
     if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
@@ -104,7 +128,8 @@ def get_device(requested):
     """--device, else the accelerator torch finds (CUDA, ROCm as cuda, XPU, MPS), else the CPU (docs/running.md)."""
     found = torch.accelerator.current_accelerator(check_available=True)  # None where none is usable
     launched = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "LOCAL_RANK" in os.environ else 0
-    device = choose_device(requested, found and found.type, torch.accelerator.device_count() if found else 0, launched)
+    count = torch.accelerator.device_count() if found else 0
+    device = choose_device(requested, found and found.type, count, launched)
     if device.index is not None:
         torch.accelerator.set_device_index(device.index)  # else pinned-memory threads and the profiler use device 0
     return device
@@ -116,24 +141,32 @@ def choose_device(requested, accelerator, count, processes):
     try:
         device = torch.device(requested or accelerator or "cpu")
     except RuntimeError:
-        raise UsageError(f"--device {requested} is not a device name; use cpu, {accelerator or 'cuda'} or "
-                         f"{accelerator or 'cuda'}:N") from None
+        raise UsageError(
+            f"--device {requested} is not a device name; use cpu, {accelerator or 'cuda'} or {accelerator or 'cuda'}:N"
+        ) from None
     if device.type == "cpu":
         return device
     if device.type != accelerator:
-        raise UsageError(f"--device {requested}: this machine has no usable {device.type} GPU; use --device "
-                         f"{accelerator or 'cpu'}")
+        raise UsageError(
+            f"--device {requested}: this machine has no usable {device.type} GPU; use --device {accelerator or 'cpu'}"
+        )
     if processes and device.type == "mps":  # no collective backend on Apple's GPUs: the processes meet on the CPU
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print("Apple MPS has no backend for several processes: they train on the CPU (gloo); train_single.py "
-                  "trains on MPS", flush=True)
+            print(
+                "Apple MPS has no backend for several processes: they train on the CPU (gloo); train_single.py "
+                "trains on MPS",
+                flush=True,
+            )
         return torch.device("cpu")
     if processes and device.index is not None:  # before any rank opens a context on GPU N
-        raise UsageError(f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
-                         f"--device {device.type}, and CUDA_VISIBLE_DEVICES=... to choose the GPUs")
+        raise UsageError(
+            f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
+            f"--device {device.type}, and CUDA_VISIBLE_DEVICES=... to choose the GPUs"
+        )
     if processes > count:
-        raise UsageError(f"{processes} processes on this node but only {count} GPU(s): start at most one process per "
-                         f"GPU")
+        raise UsageError(
+            f"{processes} processes on this node but only {count} GPU(s): start at most one process per GPU"
+        )
     if (device.index or 0) >= count:
         raise UsageError(f"--device {requested}: only {count} GPU(s) visible")
     return device
@@ -142,22 +175,30 @@ def choose_device(requested, accelerator, count, processes):
 def resolve_run(args, script):
     """(output folder, checkpoint to resume), without touching the disk: a new folder by default; one holding a
     checkpoint or results is refused unless resumed, so a run never overwrites another's outputs."""
-    output_dir, resume = Path(args.output_dir) if args.output_dir else None, None
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    resume = None
     if args.resume == "auto":
-        resume = output_dir / "last.pt" if (output_dir / "last.pt").exists() else None
+        if (output_dir / "last.pt").exists():
+            resume = output_dir / "last.pt"
     elif args.resume:
-        if not (resume := Path(args.resume)).is_file():
+        resume = Path(args.resume)
+        if not resume.is_file():
             raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt from an earlier run")
         output_dir = output_dir or (None if args.test_only else resume.parent)  # continue the run where it was
-    stem, n = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}", 1
-    while output_dir is None or n > 1 and output_dir.exists():  # a new folder
-        output_dir, n = Path("runs") / (stem if n == 1 else f"{stem}-{n}"), n + 1
+    # A new folder: runs/<script>-<date>-<time>, then -2, -3, ... while the name is taken
+    stem = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while output_dir is None or n > 1 and output_dir.exists():
+        output_dir = Path("runs") / (stem if n == 1 else f"{stem}-{n}")
+        n += 1
     taken = [name for name in ("last.pt", "results.json") if (output_dir / name).exists()]
     if args.test_only or resume is not None:
         taken = [name for name in taken if args.test_only and name == "results.json"]
     if taken:
-        raise UsageError(f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
-                         f"--resume auto, or choose a new --output-dir")
+        raise UsageError(
+            f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
+            f"--resume auto, or choose a new --output-dir"
+        )
     return output_dir, resume
 
 
@@ -175,8 +216,10 @@ def claim_output_dir(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(output_dir / ".lock", "a+")
     except OSError as failure:  # a read-only or full disk, a file where the folder should be
-        raise UsageError(f"cannot write into {output_dir} ({failure.strerror or failure}): choose another "
-                         f"--output-dir, or make that one writable") from None
+        raise UsageError(
+            f"cannot write into {output_dir} ({failure.strerror or failure}): choose another "
+            f"--output-dir, or make that one writable"
+        ) from None
     error = hold(lock, output_dir)
     if error:
         raise UsageError(error)
@@ -185,13 +228,16 @@ def claim_output_dir(output_dir):
 def hold(lock, output_dir):
     """claim_output_dir's lock on the open .lock file, kept to the end: None, or why not (another job holds it)."""
     import fcntl
+
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as failure:
         if failure.errno in (errno.EACCES, errno.EAGAIN):  # else a filesystem without locks: go on
             lock.seek(0)
-            return (f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): let it "
-                    f"end (or stop it) before you resume it, or choose another --output-dir")
+            return (
+                f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): let it "
+                f"end (or stop it) before you resume it, or choose another --output-dir"
+            )
         return None
     for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote
         stale.unlink(missing_ok=True)
@@ -213,9 +259,11 @@ def normalize(images):
     if images.dtype != torch.uint8:
         return images
     channels = images.shape[1] if images.dim() == 4 else 1
-    if (key := (images.device, channels)) not in _STATISTICS:
-        _STATISTICS[key] = [torch.tensor(v if channels == 3 else sum(v) / 3, device=images.device).view(-1, 1, 1)
-                            for v in (MEAN, STD)]
+    key = (images.device, channels)
+    if key not in _STATISTICS:
+        _STATISTICS[key] = [
+            torch.tensor(v if channels == 3 else sum(v) / 3, device=images.device).view(-1, 1, 1) for v in (MEAN, STD)
+        ]
     mean, std = _STATISTICS[key]
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
@@ -224,8 +272,7 @@ def check_datasets(train_set, val_set, names, target_problem):
     """build_datasets()'s result, checked before training: a wrong item would fail later, deep in the loader, on
     every rank. target_problem(target, names): the script's check of what its task needs, None where it is fine."""
     if len(names) < 1:
-        raise UsageError("build_datasets() returned no names: give one per model output (class names for a "
-                         "classifier)")
+        raise UsageError("build_datasets() returned no names: give one per model output (class names for a classifier)")
     for name, dataset in (("training", train_set), ("validation", val_set)):
         if len(dataset) == 0:
             raise UsageError(f"the {name} set is empty; add data, or check the data's path and split")
@@ -247,15 +294,19 @@ def item_problem(item):
     image = item[0]
     if not torch.is_tensor(image):
         kind = f"{type(image).__module__}.{type(image).__name__}"
-        return (f"({kind}, ...): convert the input in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) "
-                f"or torch.from_numpy(array).float()")
+        return (
+            f"({kind}, ...): convert the input in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) "
+            f"or torch.from_numpy(array).float()"
+        )
     if image.dtype == torch.float64:  # numpy's default: a model's float32 weights refuse it
         return "(float64 input, ...): give float32, e.g. torch.from_numpy(array).float()"
     if image.dtype != torch.uint8 and not image.is_floating_point():
         return f"({image.dtype} input, ...): give uint8 images (0-255, normalised here) or floating point ones"
     if image.dtype == torch.uint8 and image.dim() == 3 and image.shape[-1] in (1, 3, 4) and image.shape[0] > 4:
-        return (f"(uint8 image of shape {tuple(image.shape)}, ...): channels last (H, W, C); give (C, H, W), e.g. "
-                f"torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)")
+        return (
+            f"(uint8 image of shape {tuple(image.shape)}, ...): channels last (H, W, C); give (C, H, W), e.g. "
+            f"torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)"
+        )
     return None
 
 
@@ -275,13 +326,15 @@ class SeededItems(Dataset):
     generators seeded from (seed, epoch, index): augmentation whatever the workers, ranks or resumption."""
 
     def __init__(self, dataset, seed):
-        self.dataset, self.seed = dataset, seed
+        self.dataset = dataset
+        self.seed = seed
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        seed, saved = hash((self.seed, *key)) & 0xFFFF_FFFF_FFFF, torch.get_rng_state()
+        seed = hash((self.seed, *key)) & 0xFFFF_FFFF_FFFF
+        saved = torch.get_rng_state()
         torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
         random.seed(seed)
         numpy.random.seed(seed & 0xFFFF_FFFF)
@@ -302,13 +355,18 @@ class EpochSampler(torch.utils.data.Sampler):
     """Wraps a training sampler: yields (epoch, index) for SeededItems, and can start mid-epoch after a resume."""
 
     def __init__(self, sampler):
-        self.sampler, self.epoch, self.skip, self.length = sampler, 0, 0, len(sampler)
+        self.sampler = sampler
+        self.epoch = 0
+        self.skip = 0  # positions of the sampler's order left out at the start (done before a resume)
+        self.length = len(sampler)  # positions yielded
 
     def start(self, epoch, samples=0):
         """Start `epoch` after the first `samples` of its order. Rank r of W reads its positions r, r + W, ...: the
         samples seen do not depend on W, and every rank yields as many as rank 0."""
-        world_size, rank = getattr(self.sampler, "num_replicas", 1), getattr(self.sampler, "rank", 0)
-        self.epoch, self.skip = epoch, max(0, samples - rank + world_size - 1) // world_size
+        world_size = getattr(self.sampler, "num_replicas", 1)
+        rank = getattr(self.sampler, "rank", 0)
+        self.epoch = epoch
+        self.skip = max(0, samples - rank + world_size - 1) // world_size
         self.length = max(0, len(self.sampler) - (samples + world_size - 1) // world_size)
 
     def __iter__(self):
@@ -389,8 +447,13 @@ def train_mode(model):
 def warmup_cosine(total_steps):
     """LR factor per optimizer step: linear warm-up over 5% of the steps, then cosine decay to zero."""
     warmup = max(1, total_steps // 20)
-    return lambda step: (step + 1) / warmup if step < warmup else \
-        0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+    return factor
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -400,8 +463,10 @@ def save_checkpoint(state, output_dir, is_best=False):
     to this evaluation again and writes best.pt then."""
     broken = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if broken:  # never replace a good checkpoint with a diverged one
-        raise UsageError(f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
-                         f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}")
+        raise UsageError(
+            f"the weights are NaN or inf ({broken[0]}, {len(broken)} tensors): training diverged, "
+            f"{output_dir / 'last.pt'} keeps the last good state; {DIVERGED_HINT}"
+        )
     state = torch.utils._pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.cpu(), state)
     first = output_dir / ("best.pt" if is_best else "last.pt")
     atomic_write(first, lambda f: torch.save(state, f))
@@ -424,16 +489,22 @@ def atomic_write(path, write):
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError, the OSError inside
         cause = error if isinstance(error, OSError) else error.__context__
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else first_line(error)
-        raise UsageError(f"cannot write {path} ({reason}); free space or fix the folder's permissions, then continue "
-                         f"with --resume auto ({kept})") from None
+        raise UsageError(
+            f"cannot write {path} ({reason}); free space or fix the folder's permissions, then continue "
+            f"with --resume auto ({kept})"
+        ) from None
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink()
 
 
-def write_json(path, data):  # a list of numbers (a row of the confusion matrix) on one line
-    text = re.sub(r"\[\n\s+([-+\d.eE,\s]+?)\n\s+\]", lambda match: "[" + re.sub(r",\s+", ", ", match[1]) + "]",
-                  json.dumps(data, indent=2))
+def write_json(path, data):
+    """data as indented JSON, written atomically; a list of numbers (a row of the confusion matrix) on one line."""
+    text = re.sub(
+        r"\[\n\s+([-+\d.eE,\s]+?)\n\s+\]",
+        lambda match: "[" + re.sub(r",\s+", ", ", match[1]) + "]",
+        json.dumps(data, indent=2),
+    )
     atomic_write(path, lambda f: f.write((text + "\n").encode()))
 
 
@@ -445,19 +516,26 @@ def load_file(path, flag):
     except pickle.UnpicklingError as error:
         if "Weights only load failed" not in str(error):
             raise UsageError(f"{flag} {path}: not a readable checkpoint ({first_line(error)})") from None
-        raise UsageError(f"{flag} {path}: refused as unsafe: it holds Python objects besides tensors and plain types, "
-                         f"and loading those could run code; give a file written by these scripts, or a plain state "
-                         f"dict") from None
+        raise UsageError(
+            f"{flag} {path}: refused as unsafe: it holds Python objects besides tensors and plain types, "
+            f"and loading those could run code; give a file written by these scripts, or a plain state "
+            f"dict"
+        ) from None
     except Exception as error:  # a file cut short (a full disk, an interrupted copy), or not a checkpoint at all
-        intact = Path(path).with_name("best.pt")
-        intact = (f"; {intact} is intact: continue from it with --resume {intact}, or start from its weights with "
-                  f"--weights {intact}" if flag == "--resume" and Path(path).name == "last.pt" and intact.is_file()
-                  and zipfile.is_zipfile(intact) else "")
-        raise UsageError(f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)})"
-                         f"{intact}") from None
+        best = Path(path).with_name("best.pt")
+        intact = ""
+        if flag == "--resume" and Path(path).name == "last.pt" and best.is_file() and zipfile.is_zipfile(best):
+            intact = (
+                f"; {best} is intact: continue from it with --resume {best}, or start from its weights with "
+                f"--weights {best}"
+            )
+        raise UsageError(
+            f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)}){intact}"
+        ) from None
 
 
-def first_line(error, width=160):  # an exception's first sentence, without a C++ source location, shortened
+def first_line(error, width=160):
+    """An exception's first sentence, without a C++ source location, shortened to `width` characters."""
     line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
 
@@ -467,16 +545,24 @@ def load_checkpoint(path, names):
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
         raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
     if "samples" not in checkpoint or "best" not in checkpoint:
-        raise UsageError(f"--resume {path}: written by an older version of these scripts; continue it with that "
-                         f"version, or start from its weights with --weights")
+        raise UsageError(
+            f"--resume {path}: written by an older version of these scripts; continue it with that "
+            f"version, or start from its weights with --weights"
+        )
     saved = checkpoint["classes"]
     if saved != names:
-        missing, extra = (", ".join(map(str, sorted(set(a) - set(b)))) or "none" for a, b in ((saved, names),
-                                                                                          (names, saved)))
-        differ = (f"names only in the checkpoint: {missing}; only here: {extra}" if set(saved) != set(names) else
-                  "the same names in another order")
-        raise UsageError(f"--resume {path} was trained for {len(saved)} classes (outputs), not these {len(names)} "
-                         f"({differ}); resume with the data it was trained on")
+        missing, extra = (
+            ", ".join(map(str, sorted(set(a) - set(b)))) or "none" for a, b in ((saved, names), (names, saved))
+        )
+        differ = (
+            f"names only in the checkpoint: {missing}; only here: {extra}"
+            if set(saved) != set(names)
+            else "the same names in another order"
+        )
+        raise UsageError(
+            f"--resume {path} was trained for {len(saved)} classes (outputs), not these {len(names)} "
+            f"({differ}); resume with the data it was trained on"
+        )
     return checkpoint
 
 
@@ -486,7 +572,12 @@ def one_line_errors():
     """Every rung's __main__: bad input, Ctrl-C, a full /dev/shm, a failure every rank meets: one line from one
     process (docs/robustness.md); anything else: its traceback. Loader workers end first. The rungs that a launcher
     starts use dist_utils.one_line_errors(), which adds a lost or silent peer and the process group's teardown."""
-    status, local_rank_0 = 1, lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0  # read late: srun's is set in main
+    status = 1
+
+    def local_rank_0():
+        """Read when needed: under srun, LOCAL_RANK is set by require_launcher(), after this block begins."""
+        return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
     try:
         yield
         status = 0
@@ -497,8 +588,11 @@ def one_line_errors():
             wait_to_be_stopped()
     except KeyboardInterrupt:
         if local_rank_0():
-            print("stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
-                  "folder>", file=sys.stderr)
+            print(
+                "stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
+                "folder>",
+                file=sys.stderr,
+            )
         status = 130
     except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
         status = exit.code
@@ -520,44 +614,64 @@ def failure_of_every_rank(error):
     """The line for a failure that every rank meets alike, or None."""
     text = str(error)
     if "Error(s) in loading state_dict" in text:  # a checkpoint of another model
-        return (f"the checkpoint's weights do not fit this model ({first_line(error)}); resume with the model that "
-                f"saved it, or start from its weights with --weights")
+        return (
+            f"the checkpoint's weights do not fit this model ({first_line(error)}); resume with the model that "
+            f"saved it, or start from its weights with --weights"
+        )
     if "unexpected pos" in text and "folder" in _RUN_DIR:  # torch.save's write failed: in dcp.save (FSDP's shards)
         free = shutil.disk_usage(_RUN_DIR["folder"]).free
-        return (f"cannot write the sharded checkpoint into {_RUN_DIR['folder']} ({free >> 20} MiB left on its disk): "
-                f"free space, then continue with --resume auto (last.pt and the shards it names are intact)")
+        return (
+            f"cannot write the sharded checkpoint into {_RUN_DIR['folder']} ({free >> 20} MiB left on its disk): "
+            f"free space, then continue with --resume auto (last.pt and the shards it names are intact)"
+        )
     if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
-        return ("--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
-                "them could run code: refused; resume from a folder that these scripts wrote")
-    if "doesn't match the size of optimizer's group" in text or "different number of parameter groups" in text or \
-            "Missing key in checkpoint state_dict: optimizer." in text:  # (DDP's and FSDP's words)
-        return ("--resume: the checkpoint's optimizer state is for other trained parameters (a run with another "
-                "--freeze or --opt, or another build_optimizer()): resume with the same, or start from its weights "
-                "with --weights (the built-in model) and --output-dir a new folder")
+        return (
+            "--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
+            "them could run code: refused; resume from a folder that these scripts wrote"
+        )
+    # The optimizer state of other parameters (DDP's and FSDP's words)
+    if (
+        "doesn't match the size of optimizer's group" in text
+        or "different number of parameter groups" in text
+        or "Missing key in checkpoint state_dict: optimizer." in text
+    ):
+        return (
+            "--resume: the checkpoint's optimizer state is for other trained parameters (a run with another "
+            "--freeze or --opt, or another build_optimizer()): resume with the same, or start from its weights "
+            "with --weights (the built-in model) and --output-dir a new folder"
+        )
     if "add(sparse, dense)" in text or "does not support sparse gradients" in text:  # nn.Embedding(sparse=True)
-        return (f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
-                f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
-                f"(docs/adapting.md)")
+        return (
+            f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
+            f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
+            f"(docs/adapting.md)"
+        )
     if "Expected more than 1 value per channel when training" in text:  # BatchNorm over a batch of one value
         size = re.search(r"got input size [^\n]*", text)
-        return (f"a BatchNorm layer saw one value per channel in training ({size[0] if size else text[:80]}): raise "
-                f"--batch-size (images per process) or --img-size")
+        return (
+            f"a BatchNorm layer saw one value per channel in training ({size[0] if size else text[:80]}): raise "
+            f"--batch-size (images per process) or --img-size"
+        )
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP: a parameter without a gradient
         unused = re.search(r"did not receive grad for rank \d+: ([^\n]+)", text)  # their indices, or names
         which = f" ({unused[1].strip()})" if unused else ""
-        return (f"some parameters got no gradient in the last step{which}: the model holds a module that forward() "
-                f"does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line "
-                f"(docs/troubleshooting.md)")
+        return (
+            f"some parameters got no gradient in the last step{which}: the model holds a module that forward() "
+            f"does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line "
+            f"(docs/troubleshooting.md)"
+        )
     return None
 
 
-def wait_to_be_stopped():  # leaves local rank 0 time to print the line: the launcher then stops every rank
+def wait_to_be_stopped():
+    """Leave local rank 0 time to print the line: the launcher then stops every rank."""
     end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(10)
 
 
-def end_loader_workers():  # they ignore SIGTERM, and would outlive this process by up to 5 s, holding its output
+def end_loader_workers():
+    """Kill the loader workers: they ignore SIGTERM, and would outlive this process by up to 5 s, holding its output."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
     for worker in multiprocessing.active_children():
         worker.kill()
@@ -575,14 +689,19 @@ def start_workers(loader):
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
         batch = getattr(loader.dataset[key][0], "nbytes", 0) * loader.batch_size  # (a tensor's; else no check)
         # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
-        _SHM_BYTES[loader] = batch, loader.prefetch_factor, min(loader.num_workers * loader.prefetch_factor,
-                                                                 len(loader)) + 1
-        processes, held = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), list(_SHM_BYTES.values())  # a node shares it
-        if processes * sum(batch * count for batch, _, count in held) > (shm := shutil.disk_usage("/dev/shm").total):
-            one, prefetched = sum(batch for batch, _, _ in held), sum(batch * factor for batch, factor, _ in held)
+        in_shm = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1
+        _SHM_BYTES[loader] = (batch, loader.prefetch_factor, in_shm)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes of a node share its /dev/shm
+        held = list(_SHM_BYTES.values())
+        shm = shutil.disk_usage("/dev/shm").total
+        if processes * sum(batch * count for batch, _, count in held) > shm:
+            # a process's bytes there with w workers each: w * prefetched + one
+            one = sum(batch for batch, _, _ in held)
+            prefetched = sum(batch * factor for batch, factor, _ in held)
             fits = max(0, (shm // processes - one) // prefetched)  # workers per process that would fit
-            raise UsageError(shm_too_small(f"the batches of {loader.num_workers} loader workers per process",
-                                           f"--workers {fits}"))
+            raise UsageError(
+                shm_too_small(f"the batches of {loader.num_workers} loader workers per process", f"--workers {fits}")
+            )
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)
@@ -591,22 +710,28 @@ def start_workers(loader):
 
 
 def shm_too_small(what, fewer):
-    return (f"/dev/shm holds {shutil.disk_usage('/dev/shm').total >> 20} MiB, too little for {what}: mount a "
-            f"memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
-            f"--shm-size=8g), or use {fewer}")
+    """The line for a /dev/shm too small for `what`, suggesting `fewer` (the flag that needs less of it)."""
+    return (
+        f"/dev/shm holds {shutil.disk_usage('/dev/shm').total >> 20} MiB, too little for {what}: mount a "
+        f"memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
+        f"--shm-size=8g), or use {fewer}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- logging
-def report_test(output_dir, checkpoint, metrics):  # --test-only: results.json and one line
+def report_test(output_dir, checkpoint, metrics):
+    """--test-only's outputs: results.json and one line."""
     write_json(output_dir / "results.json", {"checkpoint": str(checkpoint), **val_results(metrics)})
     print(f"{metrics_line(metrics)}; results in {output_dir / 'results.json'}")
 
 
-def val_results(metrics):  # results.json's validation figures: val_loss, val_count, val_<each metric>
+def val_results(metrics):
+    """results.json's validation figures: val_loss, val_count, val_<each metric>."""
     return {f"val_{name}": value for name, value in metrics.items()}
 
 
-def metrics_line(metrics):  # "val loss 0.5123  acc 0.8235 (17 samples)": the numbers among the metrics
+def metrics_line(metrics):
+    """The numbers among the metrics, in one line: "val loss 0.5123  acc 0.8235 (17 samples)"."""
     numbers = [f"{name} {value:.4f}" for name, value in metrics.items() if isinstance(value, float)]
     return f"val {'  '.join(numbers)} ({metrics['count']} samples)"
 
@@ -621,14 +746,23 @@ def improved(value, best, higher_is_better):
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
-    def __init__(self, output_dir, names, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0,
-                 enabled=True):  # names: drawn on a confusion matrix's picture
-        self.enabled, self.epochs, self.steps_per_epoch, self.names = enabled, epochs, steps_per_epoch, names
-        self.global_batch, self.print_freq, self.fix = global_batch, print_freq, "raise --workers or use faster storage"
-        self.train_images, self.train_seconds, self.writer = 0, 0.0, None
+    def __init__(
+        self, output_dir, names, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0, enabled=True
+    ):
+        self.enabled = enabled
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.names = names  # drawn on the confusion matrix's picture
+        self.global_batch = global_batch
+        self.print_freq = print_freq
+        self.fix = "raise --workers or use faster storage"  # the advice when data loading is the bottleneck
+        self.train_images = 0
+        self.train_seconds = 0.0
+        self.writer = None
         self.output_dir = output_dir
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
+
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             with self.writing():
                 self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
@@ -641,14 +775,18 @@ class Logger:
         try:
             yield
         except OSError as error:
-            raise UsageError(f"cannot write TensorBoard logs into {self.output_dir} ({error.strerror or error}); free "
-                             f"space or fix the folder's permissions, then continue with --resume auto (the "
-                             f"checkpoints are intact)") from None
+            raise UsageError(
+                f"cannot write TensorBoard logs into {self.output_dir} ({error.strerror or error}); free "
+                f"space or fix the folder's permissions, then continue with --resume auto (the "
+                f"checkpoints are intact)"
+            ) from None
 
     def add_training_images(self, items, epoch, count=32):
         """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each)."""
-        picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist() if self.enabled else []
-        images = [items[(epoch, i)][0] for i in picks]  # of every class
+        picks = []
+        if self.enabled:  # spread over the dataset: of every class
+            picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()
+        images = [items[(epoch, i)][0] for i in picks]
         if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
             batch = torch.stack(images)
             if batch.is_floating_point():  # TensorBoard draws floats from 0 to 1: each image from its min to its max
@@ -661,10 +799,14 @@ class Logger:
             self.fix = items.dataset.large_photo_hint() or self.fix
 
     def start_epoch(self, epoch, start_step=0):
-        self.epoch, self.epoch_steps, self.data_wait, self.last_step = epoch, 0, 0.0, start_step
+        self.epoch = epoch
+        self.epoch_steps = 0
+        self.data_wait = 0.0
+        self.last_step = start_step
         self.epoch_start = self.last_time = self.step_end = time.perf_counter()
 
-    def timed(self, batches):  # the loader's batches, adding up the time the training loop waits for them
+    def timed(self, batches):
+        """The loader's batches, adding up the time the training loop waits for them."""
         waiting = time.perf_counter()
         for batch in batches:
             self.data_wait += time.perf_counter() - waiting
@@ -672,25 +814,32 @@ class Logger:
             waiting = time.perf_counter()
         self.data_wait += time.perf_counter() - waiting
 
-    def step(self, step, global_step, loss, lr):  # after each optimizer step; `step` counts from 0 in the epoch
+    def step(self, step, global_step, loss, lr):
+        """After each optimizer step (`step` counts from 0 in the epoch): a line and TensorBoard's scalars every
+        print_freq steps and at the epoch's end."""
         self.epoch_steps += 1
         self.step_end = now = time.perf_counter()
         if (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
             return
         loss = loss.item()  # waits for the device: once per print_freq steps, on every rank (docs/performance.md)
         if not math.isfinite(loss):  # every rank stops here: a diverged model has NaN weights on every rank
-            raise UsageError(f"the loss is {loss} at step {global_step} (lr {lr:.5g}): training diverged; "
-                             f"{DIVERGED_HINT}")
+            raise UsageError(
+                f"the loss is {loss} at step {global_step} (lr {lr:.5g}): training diverged; {DIVERGED_HINT}"
+            )
         if not self.enabled:
             return
         img_per_s = (step + 1 - self.last_step) * self.global_batch / (now - self.last_time)
         eta = (now - self.epoch_start) / self.epoch_steps * (self.steps_per_epoch - step - 1)
-        print(f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
-              f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s", flush=True)
+        print(
+            f"epoch {self.epoch + 1}/{self.epochs}  step {step + 1}/{self.steps_per_epoch}  loss {loss:.4f}  "
+            f"lr {lr:.5f}  {img_per_s:.1f} img/s  eta {eta:.0f}s",
+            flush=True,
+        )
         with self.writing():
             for name, value in (("loss", loss), ("lr", lr), ("img_per_s", img_per_s)):
                 self.writer.add_scalar(f"train/{name}", value, global_step)
-        self.last_time, self.last_step = now, step + 1
+        self.last_time = now
+        self.last_step = step + 1
 
     def end_epoch(self, global_step, metrics):
         """After each evaluation: one line, and TensorBoard's val/<name> for each number among the metrics."""
@@ -701,8 +850,11 @@ class Logger:
             # Time the loop waited for a batch: the GPU (or CPU) idled then, unless it still had queued work
             waiting = min(1.0, self.data_wait / max(seconds, 1e-9))
             hint = f": data loading is the bottleneck; {self.fix}" if waiting > 0.1 else ""
-            print(f"epoch {self.epoch + 1}/{self.epochs}  {metrics_line(metrics)}  train time {seconds:.1f}s, "
-                  f"{100 * waiting:.0f}% waiting for data{hint}", flush=True)
+            print(
+                f"epoch {self.epoch + 1}/{self.epochs}  {metrics_line(metrics)}  train time {seconds:.1f}s, "
+                f"{100 * waiting:.0f}% waiting for data{hint}",
+                flush=True,
+            )
             try:  # a classifier's [true, predicted] counts, names x names, are drawn
                 confusion = torch.as_tensor(metrics.get("confusion", []))
             except (TypeError, ValueError):  # another task's "confusion", of another shape
@@ -736,30 +888,55 @@ def confusion_image(confusion, classes):
     """val/confusion, (3, H, W) uint8: rows true classes, columns predicted, shares white to blue (square root: small
     ones show); up to 30 classes named with each cell's %; the weakest listed beside (docs/data.md)."""
     from PIL import Image, ImageDraw, ImageFont
-    n, counts, font = len(confusion), confusion.sum(dim=1).tolist(), ImageFont.load_default(size=12)
-    rows, labels = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1), [
-        f"{str(name)[:24]}{'…' * (len(str(name)) > 24)} ({count})" for name, count in zip(classes, counts)]  # images
+
+    n = len(confusion)
+    counts = confusion.sum(dim=1).tolist()  # validation images per true class
+    font = ImageFont.load_default(size=12)
+    rows = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1)  # each row's shares
+    # each class's name (its first 24 characters) and its count of images
+    labels = [f"{str(name)[:24]}{'…' * (len(str(name)) > 24)} ({count})" for name, count in zip(classes, counts)]
     blue = torch.tensor([247, 207, 148])  # 255 - (8, 48, 107): white to dark blue
-    paint = lambda share: Image.fromarray((255 - share.sqrt()[..., None] * blue).byte().numpy())  # noqa: E731
-    cell, side = (34, 12 + int(max(map(font.getlength, labels)))) if n <= 30 else (600 // n or 1, 10)
+
+    def paint(share):
+        """An RGB image of shares (0 to 1): white to dark blue, by the square root."""
+        return Image.fromarray((255 - share.sqrt()[..., None] * blue).byte().numpy())
+
+    if n <= 30:  # cells that hold their %, the names beside the grid
+        cell = 34
+        side = 12 + int(max(map(font.getlength, labels)))
+    else:  # the grid alone, about 600 pixels wide (a pixel a cell past 600 classes)
+        cell = 600 // n or 1
+        side = 10
     weak = [i for i in rows.diagonal().argsort().tolist() if counts[i] and rows[i, i] < 1][:20]  # with mistakes
     other = (rows[weak] - 2 * torch.eye(n)[weak]).argmax(1).tolist()  # each one's most frequent wrong prediction
-    notes = ["weakest classes: accuracy; most often taken for" if weak else "no validation image mistaken"] + [
-        f"{rows[i, i]:.0%}  {labels[i]}: {labels[j]} {rows[i, j]:.0%}" for i, j in zip(weak, other)] + [
-        "", "rows: true class (validation images), columns: predicted; % of each row"]
+    notes = (
+        ["weakest classes: accuracy; most often taken for" if weak else "no validation image mistaken"]
+        + [f"{rows[i, i]:.0%}  {labels[i]}: {labels[j]} {rows[i, j]:.0%}" for i, j in zip(weak, other)]
+        + ["", "rows: true class (validation images), columns: predicted; % of each row"]
+    )
     grid = n * cell
-    canvas = Image.new("RGB", (side + grid + 80 + int(max(map(font.getlength, notes))),
-                               side + max(grid, 22 * len(notes) + 20) + 10), "white")
+    canvas = Image.new(
+        "RGB",
+        (side + grid + 80 + int(max(map(font.getlength, notes))), side + max(grid, 22 * len(notes) + 20) + 10),
+        "white",
+    )
     canvas.paste(paint(rows).resize((grid, grid), Image.NEAREST), (side, side))
     canvas.paste(paint(torch.linspace(1, 0, grid)[:, None].expand(grid, 14)), (side + grid + 10, side))  # the scale
-    draw, strip = ImageDraw.Draw(canvas), Image.new("RGB", (side, grid), "white")  # strip: the names, both axes
+    draw = ImageDraw.Draw(canvas)
+    strip = Image.new("RGB", (side, grid), "white")  # the names, pasted along both axes
     for share in (0, 0.05, 0.25, 0.5, 1):
-        draw.text((side + grid + 28, side + (1 - share ** 0.5) * grid), f"{share:.0%}", "black", font, anchor="lm")
-    for i, j in confusion.nonzero().tolist() if n <= 30 else []:
-        draw.text((side + (j + 0.5) * cell, side + (i + 0.5) * cell), f"{100 * rows[i, j]:.0f}",
-                  "white" if rows[i, j] > 0.3 else "black", font, anchor="mm")
-    for i in range(n) if n <= 30 else []:
-        ImageDraw.Draw(strip).text((6, (i + 0.5) * cell), labels[i], "black", font, anchor="lm")
+        draw.text((side + grid + 28, side + (1 - share**0.5) * grid), f"{share:.0%}", "black", font, anchor="lm")
+    if n <= 30:
+        for i, j in confusion.nonzero().tolist():
+            draw.text(
+                (side + (j + 0.5) * cell, side + (i + 0.5) * cell),
+                f"{100 * rows[i, j]:.0f}",
+                "white" if rows[i, j] > 0.3 else "black",
+                font,
+                anchor="mm",
+            )
+        for i in range(n):
+            ImageDraw.Draw(strip).text((6, (i + 0.5) * cell), labels[i], "black", font, anchor="lm")
     canvas.paste(strip, (0, side))
     canvas.paste(strip.rotate(90, expand=True), (side, 0))
     draw.multiline_text((side + grid + 70, side), "\n".join(notes), "black", font, spacing=8)
@@ -772,7 +949,8 @@ class Profiler:
     operators, the peak memory (tools/profile_report.py: where the step time went, the collectives per step)."""
 
     def __init__(self, output_dir, steps, enabled=True):
-        self.output_dir, self.profile = output_dir, None
+        self.output_dir = output_dir
+        self.profile = None
         if steps and enabled:  # (the accelerator's activity too: torch's default)
             schedule = torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1)
             self.profile = torch.profiler.profile(schedule=schedule, on_trace_ready=self.report, profile_memory=True)
@@ -787,11 +965,19 @@ class Profiler:
             self.profile.stop()
 
     def report(self, profile):
-        trace, cuda = self.output_dir / "trace.json", torch.cuda.is_available()
+        trace = self.output_dir / "trace.json"
+        cuda = torch.cuda.is_available()
         profile.export_chrome_trace(str(trace))
-        print(profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                           row_limit=8))
-        peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU" if cuda else
-                f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident")
-        print(f"profile: peak memory {peak}; trace in {trace}; where the step time went, and the collectives per "
-              f"step: python tools/profile_report.py {trace}", flush=True)
+        print(
+            profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=8)
+        )
+        peak = (
+            f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
+            if cuda
+            else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
+        )
+        print(
+            f"profile: peak memory {peak}; trace in {trace}; where the step time went, and the collectives per "
+            f"step: python tools/profile_report.py {trace}",
+            flush=True,
+        )

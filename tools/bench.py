@@ -29,6 +29,7 @@ at 224 px on 2,000 generated ImageNet-sized JPEGs: amp 1 and train_single.py, ea
 with fewer loader workers), each within a time limit; a row that no longer fits --gpu-budget is skipped and named,
 a row that crashes makes the exit status 1. Results: a markdown table on stdout and <output-dir>/bench.json.
 """
+
 import argparse
 import contextlib
 import gc
@@ -49,14 +50,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # utils and builtin, for the rows timed in this process
-MODEL, IMG_SIZE, BATCH = "resnet18", 64, 32
-PHOTO_SIZE, PHOTO_IMG = (4032, 3024), 224  # a 12 MP phone photo, and the default crop on such data
+MODEL = "resnet18"
+IMG_SIZE = 64  # --tiny sets 32
+BATCH = 32  # --tiny sets 8
+PHOTO_SIZE = (4032, 3024)  # a 12 MP phone photo
+PHOTO_IMG = 224  # the default crop on such data
 PROGRESS = re.compile(r"epoch (\d+)/\d+\s+step (\d+)/\d+\s+loss \S+\s+lr \S+\s+([\d.]+) img/s")
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| +(torch|torchvision)$")  # cumulative microseconds
-TARGETS = {"single_ratio": 0.97, "ddp_ratio": 0.90, "accum_speedup": 1.2, "loader_speedup": 2.0,
-           "photo_loader_speedup": 3.5, "startup_s": 1.0}
-GPU_MODEL, GPU_IMG, GPU_BATCH = "resnet50", 224, 96
-GPU_WORKERS, GPU_JPEGS = (2, 4, 8, 14), 2000  # 1,600 training images: 16 steps of 96
+TARGETS = {
+    "single_ratio": 0.97,
+    "ddp_ratio": 0.90,
+    "accum_speedup": 1.2,
+    "loader_speedup": 2.0,
+    "photo_loader_speedup": 3.5,
+    "startup_s": 1.0,
+}
+GPU_MODEL = "resnet50"
+GPU_IMG = 224
+GPU_BATCH = 96
+GPU_WORKERS = (2, 4, 8, 14)
+GPU_JPEGS = 2000  # 1,600 training images: 16 steps of 96
 
 
 # ------------------------------------------------------------------------------------------ running a process
@@ -87,15 +100,30 @@ def run_process(cmd, threads, timeout, **env):
     # PYTHONPATH: the in-memory copies of the scripts import utils and builtin from here, as the scripts do
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **env)
     env.pop("TORCHELASTIC_MAX_RESTARTS", None)  # a measured run never restarts
-    before, start, expired = cpu_sample(), time.perf_counter(), threading.Event()
+    before = cpu_sample()
+    start = time.perf_counter()
+    expired = threading.Event()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
 
-        def kill():  # torchrun's ranks too: each has the parent-death signal set (dist_utils.require_launcher)
+        def kill():
+            """The run's session; torchrun's ranks too: each has the parent-death signal set (require_launcher)."""
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        timer = threading.Timer(timeout, lambda: (expired.set(), kill()))
+
+        def expire():
+            expired.set()
+            kill()
+
+        timer = threading.Timer(timeout, expire)
         timer.start()
         try:
             lines = [(time.perf_counter() - start, line.rstrip("\n")) for line in proc.stdout]
@@ -109,15 +137,18 @@ def run_process(cmd, threads, timeout, **env):
         stderr = err.read()
     if proc.returncode:
         tail = [line for line in stderr.splitlines() if not line.startswith("import time:")][-30:]
-        raise RuntimeError(f"{f'timed out after {timeout} s' if expired.is_set() else f'exit {proc.returncode}'}: "
-                           f"{' '.join(map(str, cmd))}\n" + "\n".join(tail))
+        raise RuntimeError(
+            f"{f'timed out after {timeout} s' if expired.is_set() else f'exit {proc.returncode}'}: "
+            f"{' '.join(map(str, cmd))}\n" + "\n".join(tail)
+        )
     return lines, stderr, other_cores(before)
 
 
 def train(cmd, threads, timeout, output_dir):
     """One training row: the script's second epoch in img/s, the first step's and the imports' seconds after start."""
-    lines, stderr, others = run_process(cmd + ["--output-dir", output_dir], threads, timeout,
-                                        PYTHONPROFILEIMPORTTIME="1")
+    lines, stderr, others = run_process(
+        cmd + ["--output-dir", output_dir], threads, timeout, PYTHONPROFILEIMPORTTIME="1"
+    )
     shutil.rmtree(output_dir, ignore_errors=True)
     batch = next(int(m[1]) for _, line in lines if (m := re.search(r"global batch (\d+)", line)))
     images = seconds = 0.0
@@ -132,14 +163,20 @@ def train(cmd, threads, timeout, output_dir):
     for line in stderr.splitlines():
         if m := IMPORTED.match(line):
             imported.setdefault(m[2], int(m[1]) / 1e6)
-    return {"img_s": images / seconds, "first_step_s": progress[0][0], "import_s": sum(imported.values()) or None,
-            "others": others, "cmd": " ".join(str(c) for c in cmd[1:]).replace(str(REPO) + "/", "")}
+    return {
+        "img_s": images / seconds,
+        "first_step_s": progress[0][0],
+        "import_s": sum(imported.values()) or None,
+        "others": others,
+        "cmd": " ".join(str(c) for c in cmd[1:]).replace(str(REPO) + "/", ""),
+    }
 
 
 # ------------------------------------------------------------------------------------------ timed in this process
 def timed(call, threads, seconds):
     """Seconds per call of call(): torch.utils.benchmark's blocked_autorange, its mean, the collector on."""
     from torch.utils.benchmark import Timer
+
     call()  # the first: oneDNN's kernels chosen, files read into the cache
     timer = Timer("call()", setup="gc.enable()", globals={"call": call, "gc": gc}, num_threads=threads)
     return timer.blocked_autorange(min_run_time=seconds).mean
@@ -153,26 +190,40 @@ def loaders(root, img_size, batch, seconds, epoch, order):
 
     import builtin
     import utils
-    textbook = torchvision.datasets.ImageFolder(str(root), T.Compose([
-        T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]))
+
+    textbook = torchvision.datasets.ImageFolder(
+        str(root),
+        T.Compose(
+            [T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]
+        ),
+    )
     project = utils.SeededItems(builtin.ImageFiles(builtin.FileList(textbook.samples), img_size, train=True), seed=0)
     # a new crop every read, as the textbook's (an epoch a pass): 6 photos' 6 crops would fix their decode scales
-    reads = {"project": lambda n: project[(epoch * (1 << 40) + n // len(project), n % len(project))],
-             "textbook": lambda n: textbook[n % len(project)]}
-    before, rates = cpu_sample(), {}
+    reads = {
+        "project": lambda n: project[(epoch * (1 << 40) + n // len(project), n % len(project))],
+        "textbook": lambda n: textbook[n % len(project)],
+    }
+    before = cpu_sample()
+    rates = {}
     for name in order:
         batches = (range(n, n + batch) for n in range(0, 1 << 40, batch))  # each call the next reads
 
         def read_batch(read=reads[name], batches=batches):
             return default_collate([read(n) for n in next(batches)])
+
         rates[name] = batch / timed(read_batch, 1, seconds)
-    return {"img_s": rates["project"], "textbook_img_s": rates["textbook"],
-            "speedup": rates["project"] / rates["textbook"], "others": other_cores(before)}
+    return {
+        "img_s": rates["project"],
+        "textbook_img_s": rates["textbook"],
+        "speedup": rates["project"] / rates["textbook"],
+        "others": other_cores(before),
+    }
 
 
 def make_jpegs(folder, count, size, classes=1):
     """count photo-like JPEGs (smooth colours, fine noise, quality 90: 4.3 MiB at 12 MP) in class folders, by PIL."""
     import multiprocessing
+
     for label in range(classes):
         (Path(folder) / f"class{label}").mkdir(parents=True, exist_ok=True)
     jobs = [(Path(folder) / f"class{i % classes}" / f"{i:05d}.jpg", size, i) for i in range(count)]
@@ -182,6 +233,7 @@ def make_jpegs(folder, count, size, classes=1):
 
 def write_jpeg(path, size, seed):
     from PIL import Image, ImageChops
+
     colours = Image.frombytes("RGB", (8, 6), random.Random(seed).randbytes(8 * 6 * 3))
     noise = Image.merge("RGB", [Image.effect_noise(size, 13) for _ in range(3)])  # centred on 128
     ImageChops.add(colours.resize(size, Image.Resampling.BICUBIC), noise, offset=-128).save(path, quality=90)
@@ -211,7 +263,8 @@ IN_MEMORY = '''def build_datasets(args):
 def in_memory(script, folder):
     """A copy of script whose build_datasets() gives images already in memory: the step with nothing to load."""
     source = (REPO / script).read_text()
-    start, end = source.index("def build_datasets("), source.index("def build_model(")
+    start = source.index("def build_datasets(")
+    end = source.index("def build_model(")
     path = Path(folder) / f"in_memory_{script}"
     path.write_text(source[:start] + IN_MEMORY + source[end:])
     return path
@@ -223,15 +276,25 @@ def measure(opts, cores, tmp):
 
     import builtin
     import dist_utils
+
     cuda = torch.cuda.is_available()
-    device, gpus = torch.device("cuda" if cuda else "cpu"), torch.cuda.device_count() if cuda else 0
-    nproc, threads = opts.nproc or (gpus if cuda else 2), cores
+    device = torch.device("cuda" if cuda else "cpu")
+    gpus = torch.cuda.device_count() if cuda else 0
+    nproc = opts.nproc or (gpus if cuda else 2)
+    threads = cores
     per_proc = 1 if cuda else max(1, threads // nproc)
     repeats = opts.repeats or (1 if opts.quick or opts.tiny else 3)
-    seconds = 0.3 if opts.tiny else 3.0 if opts.quick else 5.0  # each loader row
+    # each loader row's
+    if opts.tiny:
+        seconds = 0.3
+    elif opts.quick:
+        seconds = 3.0
+    else:
+        seconds = 5.0
     data = builtin.demo_data()
     if opts.tiny:  # the first 20 images of each class, linked, so that an epoch takes a second
-        data, demo = tmp / "tiny-data", data
+        demo = data
+        data = tmp / "tiny-data"
         for folder in sorted(path for path in demo.iterdir() if path.is_dir()):
             (data / folder.name).mkdir(parents=True)
             for image in sorted(folder.iterdir())[:20]:
@@ -244,36 +307,58 @@ def measure(opts, cores, tmp):
     flags = ["--data-path", data, "--img-size", IMG_SIZE, "-b", BATCH, "--epochs", 2, "--print-freq", 10 if cuda else 1]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     micro_batches = len(train_samples) // nproc // BATCH  # per process and epoch
-    scripts = {"limit": ([py, in_memory("train_single.py", tmp)], threads),
-               "single": ([py, "train_single.py"], threads), "dp": ([py, "train_dp.py"], threads),
-               "ddp": (torchrun + ["train_ddp_torchrun.py"], per_proc),
-               "accum": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", 4], per_proc),
-               "ceiling": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", micro_batches], per_proc),
-               "amp": (torchrun + ["train_ddp_amp.py", "--amp-dtype", "bf16"], per_proc)}
+    scripts = {
+        "limit": ([py, in_memory("train_single.py", tmp)], threads),
+        "single": ([py, "train_single.py"], threads),
+        "dp": ([py, "train_dp.py"], threads),
+        "ddp": (torchrun + ["train_ddp_torchrun.py"], per_proc),
+        "accum": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", 4], per_proc),
+        "ceiling": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", micro_batches], per_proc),
+        "amp": (torchrun + ["train_ddp_amp.py", "--amp-dtype", "bf16"], per_proc),
+    }
     skipped = {}
     if opts.tiny:  # the same launch and parsing as single and accum: left out to keep the smoke test short
         skipped["dp"] = skipped["ceiling"] = "--tiny (timed as the row above it is)"
     if micro_batches < 4:
-        skipped["accum"] = skipped["ceiling"] = (f"{len(train_samples)} training images are too few for {nproc} "
-                                                 f"processes x batch {BATCH} x 4 accumulation steps")
+        skipped["accum"] = skipped["ceiling"] = (
+            f"{len(train_samples)} training images are too few for {nproc} "
+            f"processes x batch {BATCH} x 4 accumulation steps"
+        )
     if not cuda and not dist_utils.cpu_computes_bf16():  # emulated bf16 is 10-30x slower than fp32: no figure
         skipped["amp"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
     runs = {name: [] for name in (*scripts, "loader", "photos") if name not in skipped}
     for rep in range(repeats):
-        for name in list(runs) if rep % 2 == 0 else list(runs)[::-1]:  # a drift of the machine hits both sides
+        names = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # a drift of the machine hits both sides
+        for name in names:
             print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
             if name in ("loader", "photos"):
                 order = ("project", "textbook") if rep % 2 == 0 else ("textbook", "project")
-                runs[name].append(loaders(data, IMG_SIZE, BATCH, seconds, rep, order) if name == "loader" else
-                                  loaders(photos, PHOTO_IMG, 1, seconds, rep, order))
+                if name == "loader":
+                    runs[name].append(loaders(data, IMG_SIZE, BATCH, seconds, rep, order))
+                else:
+                    runs[name].append(loaders(photos, PHOTO_IMG, 1, seconds, rep, order))
             else:
                 cmd, count = scripts[name]
                 runs[name].append(train(cmd + flags, count, opts.timeout, tmp / f"{name}-{rep}"))
-    return summarize(runs, skipped, {
-        "nproc": nproc, "device": device.type, "threads_single": threads, "threads_per_process": per_proc,
-        "repeats": repeats, "quick": opts.quick, "tiny": opts.tiny, "img_size": IMG_SIZE, "batch_per_process": BATCH,
-        "model": MODEL, "train_images": len(train_samples), "ceiling_accum_steps": micro_batches},
-        {"gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": gpus, "torch": torch.__version__})
+    return summarize(
+        runs,
+        skipped,
+        {
+            "nproc": nproc,
+            "device": device.type,
+            "threads_single": threads,
+            "threads_per_process": per_proc,
+            "repeats": repeats,
+            "quick": opts.quick,
+            "tiny": opts.tiny,
+            "img_size": IMG_SIZE,
+            "batch_per_process": BATCH,
+            "model": MODEL,
+            "train_images": len(train_samples),
+            "ceiling_accum_steps": micro_batches,
+        },
+        {"gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": gpus, "torch": torch.__version__},
+    )
 
 
 def median(values):
@@ -287,38 +372,69 @@ def summarize(runs, skipped, config, machine):
 
     each = {}
 
-    def rep_ratio(name, a, b, scale=1):  # within each repetition, between rows that ran close together
+    def rep_ratio(name, a, b, scale=1):
+        """The median of the ratios a / b / scale within each repetition: between rows that ran close together."""
         each[name] = [x["img_s"] / y["img_s"] / scale for x, y in zip(runs.get(a, []), runs.get(b, []))]
         return median(each[name])
+
     gpu = config["device"] == "cuda"
-    r = {"compute_limit_img_s": figure("limit"),
-         "single_img_s": figure("single"), "single_ratio": rep_ratio("single_ratio", "single", "limit"),
-         "dp_img_s": figure("dp"), "dp_ratio": rep_ratio("dp_ratio", "dp", "limit"),
-         "ddp_img_s": figure("ddp"),
-         "ddp_ratio": rep_ratio("ddp_ratio", "ddp", "single", config["nproc"] if gpu else 1),
-         "amp_img_s": figure("amp"), "amp_ratio": rep_ratio("amp_ratio", "amp", "ddp"),
-         "accum_img_s": figure("accum"), "accum_speedup": rep_ratio("accum_speedup", "accum", "ddp"),
-         "ceiling_img_s": figure("ceiling"), "accum_ceiling": rep_ratio("accum_ceiling", "ceiling", "ddp"),
-         "loader_img_s": figure("loader"), "textbook_loader_img_s": figure("loader", "textbook_img_s"),
-         "loader_speedup": figure("loader", "speedup"),
-         "photo_loader_img_s": figure("photos"), "photo_textbook_loader_img_s": figure("photos", "textbook_img_s"),
-         "photo_loader_speedup": figure("photos", "speedup"),
-         "first_step_s": None if gpu else figure("single", "first_step_s"), "import_s": figure("single", "import_s"),
-         "skipped": skipped}
+    r = {
+        "compute_limit_img_s": figure("limit"),
+        "single_img_s": figure("single"),
+        "single_ratio": rep_ratio("single_ratio", "single", "limit"),
+        "dp_img_s": figure("dp"),
+        "dp_ratio": rep_ratio("dp_ratio", "dp", "limit"),
+        "ddp_img_s": figure("ddp"),
+        "ddp_ratio": rep_ratio("ddp_ratio", "ddp", "single", config["nproc"] if gpu else 1),
+        "amp_img_s": figure("amp"),
+        "amp_ratio": rep_ratio("amp_ratio", "amp", "ddp"),
+        "accum_img_s": figure("accum"),
+        "accum_speedup": rep_ratio("accum_speedup", "accum", "ddp"),
+        "ceiling_img_s": figure("ceiling"),
+        "accum_ceiling": rep_ratio("accum_ceiling", "ceiling", "ddp"),
+        "loader_img_s": figure("loader"),
+        "textbook_loader_img_s": figure("loader", "textbook_img_s"),
+        "loader_speedup": figure("loader", "speedup"),
+        "photo_loader_img_s": figure("photos"),
+        "photo_textbook_loader_img_s": figure("photos", "textbook_img_s"),
+        "photo_loader_speedup": figure("photos", "speedup"),
+        "first_step_s": None if gpu else figure("single", "first_step_s"),
+        "import_s": figure("single", "import_s"),
+        "skipped": skipped,
+    }
     r["startup_s"] = r["first_step_s"] - r["import_s"] if r["first_step_s"] and r["import_s"] else None
     r["ratios_each_repetition"] = each
-    r["targets"] = {key: {"target": target, "value": r[key], "met": None if r[key] is None else
-                          r[key] <= target if key == "startup_s" else r[key] >= target}
-                    for key, target in TARGETS.items()}
-    r["machine"] = {"cpu": cpu_model(), "cores": config["threads_single"], **machine,
-                    "python": platform.python_version(), "platform": platform.platform()}
-    r["config"], r["runs"] = config, runs
+
+    def met(key, target):
+        """Whether r[key] meets its target (None: no figure); start-up is a time: the lower the better."""
+        if r[key] is None:
+            return None
+        if key == "startup_s":
+            return r[key] <= target
+        return r[key] >= target
+
+    r["targets"] = {
+        key: {"target": target, "value": r[key], "met": met(key, target)} for key, target in TARGETS.items()
+    }
+    r["machine"] = {
+        "cpu": cpu_model(),
+        "cores": config["threads_single"],
+        **machine,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    r["config"] = config
+    r["runs"] = runs
     return r
+
 
 def cpu_model():
     try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
@@ -328,7 +444,9 @@ def fmt(x, digits=1):
 
 
 def table(r):
-    c, runs, n = r["config"], r["runs"], r["config"]["nproc"]
+    c = r["config"]
+    runs = r["runs"]
+    n = c["nproc"]
 
     def where(procs, threads):
         if c["device"] == "cuda":
@@ -345,41 +463,92 @@ def table(r):
         if name in r["skipped"]:  # the reason where the figure would be: a skipped row reads as one
             return [label, place, f"skipped: {r['skipped'][name]}", "-", ratio_label, "-", "", "-"]
         rs = runs.get(name, [])
-        return [label, place, fmt(median(x.get(key) for x in rs)), " ".join(fmt(x.get(key)) for x in rs),
-                ratio_label, fmt(r.get(ratio_key), 2) if ratio_key else "", verdict(ratio_key),
-                fmt(median(x.get("others") for x in rs), 2)]
-    one, many = where(1, c["threads_single"]), where(n, c["threads_per_process"])
-    rows = [row("compute limit: train_single.py, data in memory", one, "limit"),
-            row("train_single.py", one, "single", "single / limit", "single_ratio"),
-            row("train_dp.py", one, "dp", "dp / limit", "dp_ratio"),
-            row(f"ddp {n}: train_ddp_torchrun.py", many, "ddp",
-                "ddp / (N x single)" if c["device"] == "cuda" else "ddp / single", "ddp_ratio"),
-            row(f"amp {n}: train_ddp_amp.py --amp-dtype bf16", many, "amp", "amp / ddp", "amp_ratio"),
-            row(f"ddp {n} --accum-steps 4 (no_sync)", many, "accum", "accum 4 / ddp", "accum_speedup"),
-            row(f"ceiling: ddp {n} --accum-steps {c['ceiling_accum_steps']} (one all-reduce an epoch)", many,
-                "ceiling", "ceiling / ddp", "accum_ceiling"),
-            row(f"data {c['img_size']} px: project (ImageFiles, SeededItems)", "1 x 1 thread", "loader",
-                "project / textbook", "loader_speedup"),
-            row(f"data {c['img_size']} px: textbook (ImageFolder, PIL)", "1 x 1 thread", "loader",
-                key="textbook_img_s"),
-            row(f"data 12 MP JPEGs, {PHOTO_IMG} px: project", "1 x 1 thread", "photos", "project / textbook",
-                "photo_loader_speedup"),
-            row(f"data 12 MP JPEGs, {PHOTO_IMG} px: textbook", "1 x 1 thread", "photos", key="textbook_img_s"),
-            ["start-up of train_single.py, less its imports (s)", one, fmt(r["startup_s"], 2), "-", "", "",
-             verdict("startup_s"), "-"]]
-    lines = [(f"# Benchmark: {c['model']}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo "
-              f"data ({c['train_images']} training images)" + (" (--tiny: no figure is telling)" if c["tiny"] else "")),
-             (f"{r['machine']['cpu']}, {r['machine']['cores']} cores, GPU: {r['machine']['gpu']}, torch "
-             f"{r['machine']['torch']}; {c['repeats']} repetition(s), medians"), "",
-             "| run | where | img/s | each repetition | ratio | value | target | others |",
-             "|---|---|---:|---|---|---:|---|---:|"]
+        return [
+            label,
+            place,
+            fmt(median(x.get(key) for x in rs)),
+            " ".join(fmt(x.get(key)) for x in rs),
+            ratio_label,
+            fmt(r.get(ratio_key), 2) if ratio_key else "",
+            verdict(ratio_key),
+            fmt(median(x.get("others") for x in rs), 2),
+        ]
+
+    one = where(1, c["threads_single"])
+    many = where(n, c["threads_per_process"])
+    rows = [
+        row("compute limit: train_single.py, data in memory", one, "limit"),
+        row("train_single.py", one, "single", "single / limit", "single_ratio"),
+        row("train_dp.py", one, "dp", "dp / limit", "dp_ratio"),
+        row(
+            f"ddp {n}: train_ddp_torchrun.py",
+            many,
+            "ddp",
+            "ddp / (N x single)" if c["device"] == "cuda" else "ddp / single",
+            "ddp_ratio",
+        ),
+        row(f"amp {n}: train_ddp_amp.py --amp-dtype bf16", many, "amp", "amp / ddp", "amp_ratio"),
+        row(f"ddp {n} --accum-steps 4 (no_sync)", many, "accum", "accum 4 / ddp", "accum_speedup"),
+        row(
+            f"ceiling: ddp {n} --accum-steps {c['ceiling_accum_steps']} (one all-reduce an epoch)",
+            many,
+            "ceiling",
+            "ceiling / ddp",
+            "accum_ceiling",
+        ),
+        row(
+            f"data {c['img_size']} px: project (ImageFiles, SeededItems)",
+            "1 x 1 thread",
+            "loader",
+            "project / textbook",
+            "loader_speedup",
+        ),
+        row(f"data {c['img_size']} px: textbook (ImageFolder, PIL)", "1 x 1 thread", "loader", key="textbook_img_s"),
+        row(
+            f"data 12 MP JPEGs, {PHOTO_IMG} px: project",
+            "1 x 1 thread",
+            "photos",
+            "project / textbook",
+            "photo_loader_speedup",
+        ),
+        row(f"data 12 MP JPEGs, {PHOTO_IMG} px: textbook", "1 x 1 thread", "photos", key="textbook_img_s"),
+        [
+            "start-up of train_single.py, less its imports (s)",
+            one,
+            fmt(r["startup_s"], 2),
+            "-",
+            "",
+            "",
+            verdict("startup_s"),
+            "-",
+        ],
+    ]
+    lines = [
+        (
+            f"# Benchmark: {c['model']}, {c['img_size']} px, batch {c['batch_per_process']} per process, demo "
+            f"data ({c['train_images']} training images)" + (" (--tiny: no figure is telling)" if c["tiny"] else "")
+        ),
+        (
+            f"{r['machine']['cpu']}, {r['machine']['cores']} cores, GPU: {r['machine']['gpu']}, torch "
+            f"{r['machine']['torch']}; {c['repeats']} repetition(s), medians"
+        ),
+        "",
+        "| run | where | img/s | each repetition | ratio | value | target | others |",
+        "|---|---|---:|---|---|---:|---|---:|",
+    ]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows] + [""]
-    lines.append("- training rows and the limit: the second of 2 epochs, from the scripts' own progress lines; "
-                 "the data rows: torch.utils.benchmark in this process (the mean time per call)")
-    lines.append(f"- start-up: first step {fmt(r['first_step_s'], 2)} s after the process started, of which "
-                 f"{fmt(r['import_s'], 2)} s importing torch and torchvision")
-    lines.append("- others: cores that processes not started by the bench used during the row (median): above ~0.1 "
-                 "they slowed its figures")
+    lines.append(
+        "- training rows and the limit: the second of 2 epochs, from the scripts' own progress lines; "
+        "the data rows: torch.utils.benchmark in this process (the mean time per call)"
+    )
+    lines.append(
+        f"- start-up: first step {fmt(r['first_step_s'], 2)} s after the process started, of which "
+        f"{fmt(r['import_s'], 2)} s importing torch and torchvision"
+    )
+    lines.append(
+        "- others: cores that processes not started by the bench used during the row (median): above ~0.1 "
+        "they slowed its figures"
+    )
     return "\n".join(lines)
 
 
@@ -390,7 +559,9 @@ def gpu_rows(opts, cores, tmp):
     fitting) is listed under "crashed", and the bench then exits with status 1. The limits are a few times each
     row's expected time on one H200 with 16 cores."""
     deadline = time.perf_counter() + opts.gpu_budget
-    rows, skipped, crashed = [], [], []
+    rows = []
+    skipped = []
+    crashed = []
 
     def attempt(what, limit, measure):
         left = deadline - time.perf_counter()
@@ -401,7 +572,10 @@ def gpu_rows(opts, cores, tmp):
             return measure(limit)
         except RuntimeError as error:  # a timeout did not fit; anything else crashed: say so, go on with the next
             first = str(error).strip().splitlines()[0]
-            (skipped if first.startswith("timed out") else crashed).append(f"{what}: {first}")
+            if first.startswith("timed out"):
+                skipped.append(f"{what}: {first}")
+            else:
+                crashed.append(f"{what}: {first}")
             return None
 
     jpegs = tmp / "jpegs"
@@ -410,41 +584,80 @@ def gpu_rows(opts, cores, tmp):
     amp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
 
     def script(name, cmd, workers):
-        args = ["--data-path", jpegs, "--model", GPU_MODEL, "--img-size", GPU_IMG, "-b", GPU_BATCH, "--workers",
-                workers, "--epochs", 2, "--print-freq", 4]
-        run = made and attempt(f"{name} --workers {workers}", 60,
-                               lambda limit: train(cmd + args, cores, limit, tmp / f"gpu-{len(rows)}"))
+        args = [
+            "--data-path",
+            jpegs,
+            "--model",
+            GPU_MODEL,
+            "--img-size",
+            GPU_IMG,
+            "-b",
+            GPU_BATCH,
+            "--workers",
+            workers,
+            "--epochs",
+            2,
+            "--print-freq",
+            4,
+        ]
+        run = made and attempt(
+            f"{name} --workers {workers}", 60, lambda limit: train(cmd + args, cores, limit, tmp / f"gpu-{len(rows)}")
+        )
         rows.append({"row": f"{name} --workers {workers}", "img_s": run["img_s"] if run else None})
-    script("limit: amp 1 (bf16), data in memory", amp + [in_memory("train_ddp_amp.py", tmp), "--amp-dtype", "bf16"],
-           default)
+
+    script(
+        "limit: amp 1 (bf16), data in memory",
+        amp + [in_memory("train_ddp_amp.py", tmp), "--amp-dtype", "bf16"],
+        default,
+    )
     script("amp 1 (bf16)", amp + ["train_ddp_amp.py", "--amp-dtype", "bf16"], default)
     script("limit: train_single.py, data in memory", [sys.executable, in_memory("train_single.py", tmp)], default)
     script("train_single.py", [sys.executable, "train_single.py"], default)
     for workers in [w for w in GPU_WORKERS if w < default]:
         script("amp 1 (bf16)", amp + ["train_ddp_amp.py", "--amp-dtype", "bf16"], workers)
-    return {"model": GPU_MODEL, "img_size": GPU_IMG, "batch": GPU_BATCH, "rows": rows, "skipped": skipped,
-            "crashed": crashed, "budget_s": opts.gpu_budget}
+    return {
+        "model": GPU_MODEL,
+        "img_size": GPU_IMG,
+        "batch": GPU_BATCH,
+        "rows": rows,
+        "skipped": skipped,
+        "crashed": crashed,
+        "budget_s": opts.gpu_budget,
+    }
 
 
 def gpu_table(gpu):
     if "skipped_all" in gpu:
-        return (f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px, each beside its in-memory limit): skipped, "
-                f"{gpu['skipped_all']} (bash run.sh gpucheck runs them on a GPU machine)")
-    lines = ["", f"# GPU rows: {gpu['model']}, {gpu['img_size']} px, batch {gpu['batch']}", "", "| run | img/s |",
-             "|---|---:|"]
+        return (
+            f"- GPU rows ({GPU_MODEL} at {GPU_IMG} px, each beside its in-memory limit): skipped, "
+            f"{gpu['skipped_all']} (bash run.sh gpucheck runs them on a GPU machine)"
+        )
+    lines = [
+        "",
+        f"# GPU rows: {gpu['model']}, {gpu['img_size']} px, batch {gpu['batch']}",
+        "",
+        "| run | img/s |",
+        "|---|---:|",
+    ]
     lines += [f"| {row['row']} | {fmt(row['img_s'])} |" for row in gpu["rows"]]
-    return "\n".join(lines + [f"- not measured: {why}" for why in gpu["skipped"]] +
-                     [f"- CRASHED: {why}" for why in gpu["crashed"]])
+    return "\n".join(
+        lines + [f"- not measured: {why}" for why in gpu["skipped"]] + [f"- CRASHED: {why}" for why in gpu["crashed"]]
+    )
 
 
 # ------------------------------------------------------------------------------------------ main
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, help="processes of the DDP rows (default: the GPUs, or 2 on a CPU)")
     parser.add_argument("--quick", action="store_true", help="one repetition, shorter timings (a smoke test)")
-    parser.add_argument("--tiny", action="store_true", help="one repetition at a 32-pixel crop, batch 8, 20 demo "
-                        "images a class and one 12 MP photo, without dp and the ceiling: no figure telling (the tests)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="one repetition at a 32-pixel crop, batch 8, 20 demo "
+        "images a class and one 12 MP photo, without dp and the ceiling: no figure telling (the tests)",
+    )
     parser.add_argument("--repeats", type=int, help="repetitions of every row (default 3, 1 with --quick or --tiny)")
     parser.add_argument("--output-dir", default="runs/bench", help="where bench.json goes")
     parser.add_argument("--timeout", type=int, default=600, help="seconds any one training run may take")
@@ -455,7 +668,8 @@ def main():
         parser.error("--repeats and --nproc must be positive")
     if opts.tiny:
         global IMG_SIZE, BATCH
-        IMG_SIZE, BATCH = 32, 8
+        IMG_SIZE = 32
+        BATCH = 8
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # so that the run in progress is ended too
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -463,7 +677,10 @@ def main():
         results = {"machine": {}} if opts.gpu_only else measure(opts, cores, Path(tmp))
         # on a CPU the everyday rows already said there is no GPU: no process started to find out again
         cuda = results["config"]["device"] == "cuda" if "config" in results else torch_sees_cuda()
-        results["gpu"] = gpu_rows(opts, cores, Path(tmp)) if cuda else {"skipped_all": "no CUDA GPU on this machine"}
+        if cuda:
+            results["gpu"] = gpu_rows(opts, cores, Path(tmp))
+        else:
+            results["gpu"] = {"skipped_all": "no CUDA GPU on this machine"}
     results["wall_s"] = time.perf_counter() - started
     output_dir = Path(opts.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -480,6 +697,7 @@ def main():
 
 def torch_sees_cuda():
     import torch
+
     return torch.cuda.is_available()
 
 

@@ -8,6 +8,7 @@ routing table picks to reach it (`ip -o route get MASTER_ADDR`). Standard librar
     python tools/hosts.py plan    one line saying what this node uses; for run.sh: WAIT IS_HOST LOCAL_ADDR INTERFACE
     python tools/hosts.py wait    wait (up to RDZV_TIMEOUT) until MASTER_ADDR:MASTER_PORT answers, or one line why not
 Both read MASTER_ADDR, MASTER_PORT, RDZV_TIMEOUT, TORCHRUN_ARGS and *_SOCKET_IFNAME: what the user set wins."""
+
 import ipaddress
 import os
 import socket
@@ -67,20 +68,26 @@ class Plan:
         try:
             addresses = resolve(master_addr)
         except OSError as error:
-            raise OSError(f"MASTER_ADDR {master_addr} does not resolve on this node ({error.strerror or error}): "
-                          f"give the first node's IP address, or a name that every node resolves") from None
+            raise OSError(
+                f"MASTER_ADDR {master_addr} does not resolve on this node ({error.strerror or error}): "
+                f"give the first node's IP address, or a name that every node resolves"
+            ) from None
         held = [address for address in addresses if holds(address)]
-        self.is_host, self.target = bool(held), (held or addresses)[0]
+        self.is_host = bool(held)  # MASTER_ADDR is an address of this machine
+        self.target = (held or addresses)[0]  # the address of MASTER_ADDR this node connects to
         try:
             self.local_addr, self.interface = route(self.target, self.is_host)
         except OSError as error:
             named = f" ({self.target})" if self.target != master_addr else ""
-            raise OSError(f"no route from this node to MASTER_ADDR {master_addr}{named}: "
-                          f"{error}: check MASTER_ADDR, or this node's network") from None
+            raise OSError(
+                f"no route from this node to MASTER_ADDR {master_addr}{named}: "
+                f"{error}: check MASTER_ADDR, or this node's network"
+            ) from None
         # A name resolving to loopback here ("127.0.1.1 node1") names this node: the others get the name
         self.loopback_name = is_loopback(self.local_addr) and not is_loopback(master_addr)
         if self.loopback_name:
-            self.local_addr, self.interface = master_addr, None
+            self.local_addr = master_addr
+            self.interface = None
 
     def where(self):
         return f"{self.local_addr}" + (f" on {self.interface}" if self.interface else "")
@@ -99,14 +106,18 @@ def wait(host, port, timeout, where):
             break
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     if isinstance(last, ConnectionRefusedError):
-        why = ("connection refused: nothing listens on that port: start the same command on the node that holds "
-               f"{host} (MASTER_ADDR), with the same MASTER_PORT on every node")
+        why = (
+            "connection refused: nothing listens on that port: start the same command on the node that holds "
+            f"{host} (MASTER_ADDR), with the same MASTER_PORT on every node"
+        )
     elif isinstance(last, TimeoutError):
         why = "no answer: no machine holds that address here, or a firewall drops the port: check MASTER_ADDR"
     else:  # e.g. no route to host: nobody answers for that address on this network
         why = f"{(last.strerror or str(last)).lower()}: check MASTER_ADDR and MASTER_PORT"
-    return (f"cannot reach MASTER_ADDR:MASTER_PORT {host}:{port} from this node ({where}) within {timeout:g} s "
-            f"(RDZV_TIMEOUT): {why}")
+    return (
+        f"cannot reach MASTER_ADDR:MASTER_PORT {host}:{port} from this node ({where}) within {timeout:g} s "
+        f"(RDZV_TIMEOUT): {why}"
+    )
 
 
 def plan_line(plan, env):
@@ -114,6 +125,7 @@ def plan_line(plan, env):
     line that says what this node uses. What the user already set (TORCHRUN_ARGS, *_SOCKET_IFNAME) is kept."""
     import argparse
     import shlex
+
     parser = argparse.ArgumentParser(add_help=False)  # torchrun's two spellings of the options run.sh would set
     parser.add_argument("--local-addr", "--local_addr")
     parser.add_argument("--rdzv-conf", "--rdzv_conf", default="")
@@ -122,20 +134,30 @@ def plan_line(plan, env):
     is_host = conf["is_host"].strip().lower() in ("1", "true", "yes", "y") if "is_host" in conf else None
     chosen = [f"--local-addr={given.local_addr} (yours)" if given.local_addr else f"--local-addr={plan.local_addr}"]
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        chosen += [f"{name}={env[name]} (yours)"] if env.get(name) else [f"{name}={plan.interface}"] * bool(
-            plan.interface)
+        chosen += (
+            [f"{name}={env[name]} (yours)"] if env.get(name) else [f"{name}={plan.interface}"] * bool(plan.interface)
+        )
     hosts = plan.is_host if is_host is None else is_host
     held = f"MASTER_ADDR {plan.master_addr}" + (f" ({plan.target})" if plan.target != plan.master_addr else "")
-    line = (f"this node holds {held} and hosts the rendezvous" if hosts else
-            f"this node joins the rendezvous at {plan.target}:{env.get('MASTER_PORT', '29500')} (MASTER_ADDR)")
+    line = (
+        f"this node holds {held} and hosts the rendezvous"
+        if hosts
+        else f"this node joins the rendezvous at {plan.target}:{env.get('MASTER_PORT', '29500')} (MASTER_ADDR)"
+    )
     line += f"; it uses {' '.join(chosen)}"
     if plan.loopback_name:
-        line += (f" ({plan.master_addr} resolves to {plan.target}, a loopback address, on this node: set "
-                 f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface of the network the nodes share)")
+        line += (
+            f" ({plan.master_addr} resolves to {plan.target}, a loopback address, on this node: set "
+            f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface of the network the nodes share)"
+        )
     # is_host left to torchrun for a loopback MASTER_ADDR: several agents on one machine, and torchrun's guess (host)
     # lets the agents after the first fall back to joining; given, it would not
-    values = ["0" if hosts else "1", "-" if is_host is not None or is_loopback(plan.target) else str(int(plan.is_host)),
-              "-" if given.local_addr else plan.local_addr, plan.interface or "-"]
+    values = [
+        "0" if hosts else "1",
+        "-" if is_host is not None or is_loopback(plan.target) else str(int(plan.is_host)),
+        "-" if given.local_addr else plan.local_addr,
+        plan.interface or "-",
+    ]
     return " ".join(values), f"run.sh: {line}"
 
 
@@ -154,8 +176,9 @@ def main(command, env):
         print(values)
         return 0
     try:
-        error = wait(plan.target, int(env.get("MASTER_PORT", "29500")), float(env.get("RDZV_TIMEOUT", "300")),
-                     plan.where())
+        error = wait(
+            plan.target, int(env.get("MASTER_PORT", "29500")), float(env.get("RDZV_TIMEOUT", "300")), plan.where()
+        )
     except KeyboardInterrupt:
         return 130
     if error:

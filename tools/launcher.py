@@ -16,6 +16,7 @@ drops its own report):
         the number of the signal that stopped the agent (0 if none). Failed writes (a closed terminal, a broken
         pipe) are dropped and it reads on, so that the ranks can still save and end.
 """
+
 import os
 import re
 import selectors
@@ -23,8 +24,10 @@ import shutil
 import sys
 
 TRACEBACK = "Traceback (most recent call last):"
-CHAIN = ("The above exception was the direct cause of the following exception:",
-         "During handling of the above exception, another exception occurred:")
+CHAIN = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
 LAUNCHER_LOG = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/\S+:\d+\] ")  # Python logging
 CPP_LOG = re.compile(r"\[[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ \S+\] ")  # c10d's C++ log lines, and what follows them:
 CPP_MORE = re.compile(r"(Exception raised from |frame #\d+: |<omitting python frames>)")
@@ -38,6 +41,7 @@ def tie(parent, command):
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
+
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, signal.SIGTERM) == 0 and os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
             sys.exit(f"run.sh: run.sh ended before {command[0]} started")  # it died before prctl took effect
@@ -48,7 +52,8 @@ class Output:
     """A stream that may go away (a terminal closed by SIGHUP, a reader gone): then writes are dropped."""
 
     def __init__(self, fd):
-        self.fd, self.alive = fd, True
+        self.fd = fd
+        self.alive = True
 
     def write(self, text):
         if self.alive and text:
@@ -64,12 +69,17 @@ class Filter:
     streams end, and are then shown or left out as a whole."""
 
     def __init__(self, err, log):
-        self.err, self.log = err, log
-        self.held, self.state = [], None  # inside a group: "traceback", "exception" (its last line seen) or "box"
+        self.err = err
+        self.log = log
+        self.held = []  # the group's lines
+        self.state = None  # inside a group: "traceback", "exception" (its last line seen) or "box"
         self.chains = []  # the group's tracebacks, chained ones together: their exceptions' lines
         self.explained = False  # a rank printed its one `error:` line
         self.left_out = None  # why the log is worth keeping: "explained" or "rendezvous"
-        self.signal, self.rendezvous, self.detail, self.rules = 0, None, "", 0
+        self.signal = 0  # the signal that stopped the agent, from its report
+        self.rendezvous = None  # a rendezvous failure's error type
+        self.detail = ""  # what caused it
+        self.rules = 0  # the lines of "=" seen of ChildFailedError's box
         self.run_folder = None  # where the job writes, once rank 0's header said it
 
     def line(self, line):
@@ -88,7 +98,8 @@ class Filter:
                 self.held.append(line)
                 return True
             self.chains[-1].append(text)  # the exception's line ends the traceback
-            self.state, self.rules = ("box" if text.rstrip().endswith("ChildFailedError:") else "exception"), 0
+            self.state = "box" if text.rstrip().endswith("ChildFailedError:") else "exception"
+            self.rules = 0
         elif self.state == "box":  # ChildFailedError's message: a box between two lines of "="
             self.rules += text.startswith("=====")
             self.state = "exception" if self.rules == 2 else "box"
@@ -97,27 +108,36 @@ class Filter:
             if not chained:
                 self.chains.append([])
             self.state = "traceback"
-        elif not (LAUNCHER_LOG.match(text) or CPP_LOG.match(text) or CPP_MORE.match(text) or text in CHAIN
-                  or (not text and self.held)):
+        elif not (
+            LAUNCHER_LOG.match(text)
+            or CPP_LOG.match(text)
+            or CPP_MORE.match(text)
+            or text in CHAIN
+            or (not text and self.held)
+        ):
             return False
         self.held.append(line)
         return True
 
     def flush(self):
         """Show or leave out the held group, as a whole."""
-        held, chains = self.held, self.chains
-        self.held, self.chains, self.state = [], [], None
+        held = self.held
+        chains = self.chains
+        self.held = []
+        self.chains = []
+        self.state = None
         finals = [chain[-1] for chain in chains if chain]
-        if any(not (SIGNAL.match(final) or RENDEZVOUS.match(final) or CHILD_FAILED.match(final))
-               for final in finals):
+        if any(not (SIGNAL.match(final) or RENDEZVOUS.match(final) or CHILD_FAILED.match(final)) for final in finals):
             self.err.write("".join(held))  # a crash: shown whole
             return
         stopped = False
         for chain in filter(None, chains):
-            if rendezvous := RENDEZVOUS.match(chain[-1]):  # its cause, if any, says what failed
-                self.rendezvous, self.detail = rendezvous.group(1), chain[0].partition(": ")[2] if chain[1:] else ""
+            if rendezvous := RENDEZVOUS.match(chain[-1]):
+                self.rendezvous = rendezvous.group(1)
+                self.detail = chain[0].partition(": ")[2] if chain[1:] else ""  # its cause, if any, says what failed
             elif signal := SIGNAL.match(chain[-1]):
-                self.signal, stopped = int(signal.group(1)), True
+                self.signal = int(signal.group(1))
+                stopped = True
         if self.rendezvous:
             self.left_out = "rendezvous"
         elif stopped:
@@ -137,13 +157,17 @@ def close_report(flt, log_path):
         env = os.environ.get
         where = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}"
         if flt.rendezvous == "RendezvousTimeoutError":
-            flt.err.write(f"run.sh: not all {env('NNODES')} nodes joined {where} within {env('RDZV_TIMEOUT')}s "
-                          f"(RDZV_TIMEOUT): start the same command on every node, and check that they reach that "
-                          f"address\n")
+            flt.err.write(
+                f"run.sh: not all {env('NNODES')} nodes joined {where} within {env('RDZV_TIMEOUT')}s "
+                f"(RDZV_TIMEOUT): start the same command on every node, and check that they reach that "
+                f"address\n"
+            )
         else:
-            flt.err.write(f"run.sh: the nodes could not meet at {where} ({flt.rendezvous}"
-                          f"{': ' + flt.detail if flt.detail else ''}): check MASTER_ADDR and MASTER_PORT on every "
-                          f"node (bash run.sh doctor)\n")
+            flt.err.write(
+                f"run.sh: the nodes could not meet at {where} ({flt.rendezvous}"
+                f"{': ' + flt.detail if flt.detail else ''}): check MASTER_ADDR and MASTER_PORT on every "
+                f"node (bash run.sh doctor)\n"
+            )
     if flt.run_folder and os.path.isdir(flt.run_folder):  # where the user looks: not a temporary folder that fills up
         kept = os.path.join(flt.run_folder, "launcher.log")
         try:
@@ -176,7 +200,8 @@ def filter_streams(out_fifo, err_fifo, log_path):
                     *lines, partial[key.fd] = data.split(b"\n")
                     lines = [line + b"\n" for line in lines]
                 else:  # end of stream: a last line without its newline
-                    lines, partial[key.fd] = [data] if data else [], b""
+                    lines = [data] if data else []
+                    partial[key.fd] = b""
                     selector.unregister(key.fd)
                     os.close(key.fd)
                 for line in lines:

@@ -10,6 +10,7 @@ source. Unreadable files are reported as the training scripts report them, the o
 exit status is 1. SRC is only read: DST may not be SRC, lie inside it, or contain it. One shrink at a time writes
 into a DST (a lock on DST/.shrink.json, which also records the options).
 """
+
 import argparse
 import fcntl
 import json
@@ -35,11 +36,15 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("src", metavar="SRC", help="the dataset: class folders, or train/ and val/ of class folders")
     parser.add_argument("dst", metavar="DST", help="where the copy goes (created; may hold an earlier, partial copy)")
-    parser.add_argument("--max-side", type=int, default=MAX_SIDE,
-                        help="the longer side in pixels. For the default --img-size 224, 512 keeps a 4:3 photo's "
-                        "shorter side at 384, above the 256 that evaluation resizes to, and about ImageNet's size "
-                        "(500 x 375), where the 224-pixel recipe and the pretrained weights come from; for "
-                        "--img-size S, about 2.3 x S")
+    parser.add_argument(
+        "--max-side",
+        type=int,
+        default=MAX_SIDE,
+        help="the longer side in pixels. For the default --img-size 224, 512 keeps a 4:3 photo's "
+        "shorter side at 384, above the 256 that evaluation resizes to, and about ImageNet's size "
+        "(500 x 375), where the 224-pixel recipe and the pretrained weights come from; for "
+        "--img-size S, about 2.3 x S",
+    )
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="processes")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality of the shrunk images")
     try:
@@ -50,15 +55,23 @@ def main(argv=None):
 
 
 def shrink(args):
-    src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
+    src = Path(args.src).resolve()
+    dst = Path(args.dst).resolve()
     if not src.is_dir():
         raise UsageError(f"SRC {args.src} is not a directory; give the dataset's folder")
     if dst == src or src in dst.parents or dst in src.parents:
-        where = "SRC" if dst == src else "inside SRC" if src in dst.parents else "a folder holding SRC"
+        if dst == src:
+            where = "SRC"
+        elif src in dst.parents:
+            where = "inside SRC"
+        else:
+            where = "a folder holding SRC"
         raise UsageError(f"DST {args.dst} is {where}: give a folder outside {args.src} (SRC is never written to)")
     if args.max_side < 16 or args.jobs < 1 or not 1 <= args.quality <= 100:
         raise UsageError("--max-side must be at least 16, --jobs at least 1, --quality between 1 and 100")
-    jobs, skipped, others = [], 0, 0
+    jobs = []
+    skipped = 0  # images done by an earlier run
+    others = 0  # files that are not images
     for folder, subfolders, names in os.walk(src):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         for name in sorted(n for n in names if not n.startswith(".")):
@@ -79,8 +92,10 @@ def shrink(args):
     settings = {"max_side": args.max_side, "quality": args.quality}
     made = dst / ".shrink.json"
     if made.exists() and json.loads(made.read_text()) != settings:
-        raise UsageError(f"{args.dst} holds a copy made with {json.loads(made.read_text())}, not {settings}: "
-                         f"give the same options to complete it, or another DST")
+        raise UsageError(
+            f"{args.dst} holds a copy made with {json.loads(made.read_text())}, not {settings}: "
+            f"give the same options to complete it, or another DST"
+        )
     if not made.exists():
         dst.mkdir(parents=True, exist_ok=True)
         made.write_text(json.dumps(settings) + "\n")
@@ -92,11 +107,14 @@ def shrink(args):
     for path in dst.rglob(f".*{TEMPORARY}"):  # what a killed run was writing: no other run writes here now
         path.unlink(missing_ok=True)
 
-    counts, failed, start = {"shrunk": 0, "copied": 0}, [], time.perf_counter()
+    counts = {"shrunk": 0, "copied": 0}
+    failed = []
+    start = time.perf_counter()
     progress = Progress(len(jobs))
     # Ctrl-C reaches every process of the terminal's group: the workers ignore it, and this process ends them
-    with multiprocessing.get_context("fork").Pool(args.jobs, initializer=signal.signal,
-                                                   initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+    with multiprocessing.get_context("fork").Pool(
+        args.jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+    ) as pool:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # leaves the with: the pool is ended
         try:
             for outcome, message in pool.imap_unordered(shrink_one, jobs, chunksize=2):
@@ -113,13 +131,19 @@ def shrink(args):
             return 130
     progress.clear()
     seconds = time.perf_counter() - start
-    print(f"shrink: {len(jobs) + skipped} images in {args.src}: {counts['shrunk']} shrunk to at most "
-          f"{args.max_side} px, {counts['copied']} copied unchanged (small enough), {skipped} done before, "
-          f"{len(failed)} unreadable" + (f"; {len(jobs) / max(seconds, 1e-9):.1f} images/s" if jobs else "")
-          + (f"; {others} other files left out" if others else ""))
+    print(
+        f"shrink: {len(jobs) + skipped} images in {args.src}: {counts['shrunk']} shrunk to at most "
+        f"{args.max_side} px, {counts['copied']} copied unchanged (small enough), {skipped} done before, "
+        f"{len(failed)} unreadable"
+        + (f"; {len(jobs) / max(seconds, 1e-9):.1f} images/s" if jobs else "")
+        + (f"; {others} other files left out" if others else "")
+    )
     if failed:
-        print(f"shrink: {len(failed)} of {len(jobs) + skipped} images could not be read (above): remove or replace "
-              f"them in {args.src}, then run the same command again", file=sys.stderr)
+        print(
+            f"shrink: {len(failed)} of {len(jobs) + skipped} images could not be read (above): remove or replace "
+            f"them in {args.src}, then run the same command again",
+            file=sys.stderr,
+        )
         return 1
     print(f"train on the copy with --data-path {args.dst}")
     return 0
@@ -139,7 +163,12 @@ def shrink_one(job):
                 outcome = "copied"
             else:
                 # on a JPEG, thumbnail() first decodes at 1/2, 1/4 or 1/8 scale where that keeps twice the target size
-                kind, extra = ("JPEG", {"quality": quality}) if image.format in ("JPEG", "MPO") else (image.format, {})
+                if image.format in ("JPEG", "MPO"):
+                    kind = "JPEG"
+                    extra = {"quality": quality}
+                else:
+                    kind = image.format
+                    extra = {}
                 extra.update({key: image.info[key] for key in ("exif", "icc_profile") if image.info.get(key)})
                 image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
                 image.save(temporary, kind, **extra)
@@ -158,7 +187,10 @@ class Progress:
     """A bar with the rate and the time left, on stderr: redrawn in place on a terminal, else a line every 10 s."""
 
     def __init__(self, total):
-        self.total, self.done, self.start, self.shown = total, 0, time.perf_counter(), 0.0
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
+        self.shown = 0.0  # when the bar was last drawn
         self.tty = sys.stderr.isatty()
 
     def update(self):
@@ -166,11 +198,14 @@ class Progress:
         now = time.perf_counter()
         if now - self.shown < (0.2 if self.tty else 10) and self.done < self.total:
             return
-        self.shown, rate = now, self.done / max(now - self.start, 1e-9)
+        self.shown = now
+        rate = self.done / max(now - self.start, 1e-9)
         left = (self.total - self.done) / rate
         bar = "#" * (30 * self.done // self.total)
-        line = (f"shrink: [{bar:<30}] {self.done}/{self.total} images {100 * self.done // self.total}%  "
-                f"{rate:.1f} images/s  eta {int(left // 60)}:{int(left % 60):02d}")
+        line = (
+            f"shrink: [{bar:<30}] {self.done}/{self.total} images {100 * self.done // self.total}%  "
+            f"{rate:.1f} images/s  eta {int(left // 60)}:{int(left % 60):02d}"
+        )
         print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def clear(self):
