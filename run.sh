@@ -15,7 +15,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
   shrink SRC DST  a copy of a dataset with each image's longer side at most 512 px (--max-side N; tools/shrink.py)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
-  gpucheck        on a GPU machine: doctor, tests/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
+  gpucheck        on a GPU machine: doctor, tests/gpu/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
   test [quick]    the test suite (pytest); quick: only the headline proofs, in a few minutes
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine; on one machine, N above the visible GPUs
 trains the N processes on the CPU.
@@ -34,7 +34,7 @@ esac
 
 # Python: the current one if it has what we need, else .venv (made from requirements.txt on first use).
 needs="torch torchvision tensorboard"
-case "$mode" in test) needs="$needs pytest xdist" ;; gpucheck) needs="$needs pytest" ;; esac
+case "$mode" in test) needs="$needs pytest xdist pytest_timeout" ;; gpucheck) needs="$needs pytest" ;; esac
 has_modules() {
   "$1" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $needs \
     2>/dev/null
@@ -58,14 +58,16 @@ case "$mode" in
   shrink) need tools/shrink.py; exec "$PYTHON" tools/shrink.py "$@" ;;
   doctor) need tools/doctor.py; exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) need tools/gpucheck.py; exec "$PYTHON" tools/gpucheck.py "$@" ;;
-  test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed.
-    # Two workers (pytest-xdist), each taking whole modules in the order given: the costliest first (CPU measured per
-    # module), so that none is left to run alone at the end. A passed test's folder goes when it ends (a full run
-    # writes ~20 GB of checkpoints, and pytest keeps the last 3 runs').
+  test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed,
+    # and why each skipped test did not run.
+    # pytest-xdist: a worker per two cores (each test starts 2-3 processes), two at least; a worker that runs out of
+    # tests takes some of another's (worksteal), so none is left to run alone at the end. A test past --timeout fails
+    # with its stack (pytest-timeout). A passed test's folder goes when it ends (a full run writes ~20 GB of
+    # checkpoints, and pytest keeps the last 3 runs').
     if [ "${1:-}" = quick ]; then shift; set -- -m quick "$@"; fi
-    first=$(printf 'tests/test_%s.py ' fsdp preemption scale ddp adapting endings hardware engines run_sh faults hosts)
-    exec "$PYTHON" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
-      -o tmp_path_retention_policy=failed $first tests "$@" ;;
+    workers=$(( $(nproc) / 2 > 2 ? $(nproc) / 2 : 2 ))
+    exec "$PYTHON" -m pytest -q -n "$workers" --dist worksteal --timeout 900 -rs --durations=15 \
+      -o tmp_path_retention_policy=failed tests "$@" ;;
 esac
 
 # Multi-process modes: N, the GPU check and the threads per process.

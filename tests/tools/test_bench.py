@@ -1,13 +1,13 @@
 """bash run.sh bench 1 --tiny (one repetition at a 32-pixel crop, batch 8, without dp and the ceiling; the DDP rows
 under torchrun with 1 process): runs end to end and writes a complete bench.json, every training row and the limit
 timed the same way. No speed is asserted (the machine may be shared). (The all-reduce counts of accumulation are
-proven by tests/test_ddp.py, from --profile.)"""
+proven by tests/proofs/test_ddp.py, from --profile.)"""
 
 import json
 import math
 import sys
 
-from conftest import REPO, cpu_env, run
+from support import REPO, cpu_env, run
 
 sys.path.insert(0, str(REPO))
 import dist_utils  # noqa: E402

@@ -19,7 +19,7 @@ from PIL import Image
 
 import builtin
 import utils
-from conftest import REPO, job_env, run_sh
+from support import REPO, job_env, run_sh
 
 import shrink  # noqa: E402
 

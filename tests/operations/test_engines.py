@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import (
+from support import (
     DEFAULTS,
     REPO,
     assert_resumed_after,
@@ -30,7 +30,7 @@ from conftest import (
     start,
 )
 from test_hosts import in_host, veth_pair
-from test_scale import end_all, read_lines
+from support import end_all, read_lines
 
 # A collective stuck between the pods ends within 60 s with a line that names it
 BOUNDED = ["--dist-timeout", "60"]

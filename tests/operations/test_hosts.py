@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import DEFAULTS, assert_same_weights, finish, job_env, load_model_state, run, run_together, start
+from support import DEFAULTS, assert_same_weights, finish, job_env, load_model_state, run, run_together, start
 
 
 def ip(*args):

@@ -10,30 +10,25 @@ by name (--weights IMAGENET1K_V1), read from the hub cache with no network (shar
 import json
 import os
 import shutil
-import signal
 import sys
 
 import pytest
 import torch
 
-from conftest import (
+from support import (
     BF16,
     NAMED_WEIGHTS,
     NO_NETWORK,
     REPO,
-    assert_resumed_after,
     assert_same_weights,
-    children,
     collectives_per_step,
-    finish,
     load_model_state,
     ok,
     run,
     run_sh,
-    start,
     torchrun,
 )
-from shared import make_dataset
+from support import make_dataset
 
 TOL = 1e-5
 COMMON = NAMED_WEIGHTS  # EXACT (--freeze) from --weights IMAGENET1K_V1
@@ -76,7 +71,7 @@ def runs(tmp_path_factory, tiny_data, bare):
 def test_dp_on_cpu_runs_unwrapped_and_equals_single_exactly(runs):
     """On a CPU, train_dp.py has no GPUs to split the batch over and trains the module unwrapped, the same path as
     train_single.py: this proves the dp rung's own loop, LR and checkpoints, not DataParallel itself (which
-    tests/test_gpu.py runs where 2 GPUs exist)."""
+    tests/gpu/test_gpu.py runs where 2 GPUs exist)."""
     assert "DataParallel needs 2 or more GPUs: training unwrapped on cpu" in runs["dp"].stdout
     assert_same_weights(
         load_model_state(runs["dir"] / "dp" / "last.pt"), load_model_state(runs["dir"] / "single" / "last.pt")
@@ -159,58 +154,6 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tiny_data, bare, tmp_p
     assert accum["allreduce"] == plain["allreduce"] == 1, (plain, accum)  # --freeze: the head's bucket only
     # --sync-bn on CPU: one warning, then per-process BatchNorm
     assert (proc.stdout + proc.stderr).count("warning: --sync-bn needs GPUs") == 1
-
-
-def run_and_kill_one_worker(cwd, script, args, kill_after, victim):
-    """torchrun --max-restarts=1; SIGKILL one worker once `kill_after` is printed. Returns (stdout, exit code, the
-    pid killed). Every process of the job is killed at the latest 240 s after the start (the watchdog)."""
-    proc = start(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=1",
-            script,
-            *args,
-        ],
-        cwd=cwd,
-        timeout=240,
-    )
-    lines, killed = [], None
-    for line in proc.stdout:
-        lines.append(line)
-        if killed is None and kill_after in line:
-            killed = sorted(children(proc.pid))[victim]
-            os.kill(killed, signal.SIGKILL)
-    return finish(proc, lines, timeout=30), proc.returncode, killed
-
-
-def test_elastic_restart_resumes_and_ends_with_uninterrupted_weights(amp_run, tiny_data, bare, tmp_path):
-    """The amp rung (the torchrun rung's: tests/test_preemption.py, with loader workers, and tests/test_fsdp.py's)."""
-    args = [*COMMON, *BF16, "--data-path", tiny_data, "-b", "8", "--save-every", "2"]
-    reference = amp_run["dir"]
-    stdout, code, killed = run_and_kill_one_worker(
-        bare,
-        "train_ddp_amp.py",
-        [*args, "--output-dir", tmp_path / "killed"],
-        kill_after="epoch 1/2  step 3/3",
-        victim=-1,
-    )
-    assert killed, "the run ended before a worker could be killed"
-    assert code == 0, stdout[-4000:]
-    # The step-2 checkpoint was written before step 3 was logged; the epoch-end one may have been too
-    resumed = stdout.split("resuming from")[1].splitlines()[0]
-    assert resumed.endswith(
-        (
-            "epoch 1 after 32 of its 50 samples (at global batch 16)",
-            "epoch 2 after 0 of its 50 samples (at global batch 16)",
-        )
-    ), resumed
-    # the restarted group trained from the step after that checkpoint, not again from step 1
-    assert stdout.count("epoch 1/2  step 1/3") == 1 and assert_resumed_after(stdout)[0] in (3, 4), stdout[-4000:]
-    assert_same_weights(load_model_state(tmp_path / "killed" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
 def progress(stdout, field):

@@ -1,7 +1,7 @@
 """Stopping a run the way clusters and people do, with the settings a user gets: loader workers (the default
 --workers 2, persistent), BatchNorm in train mode, jobs started by run.sh, signals delivered to the torchrun agent
 (which forwards them with os.killpg) or to every process of the job (SLURM's scancel and preemption); a terminal's
-Ctrl-C (tests/test_run_sh.py, and here typed into one). Every claim ends with real weights compared to an
+Ctrl-C (tests/operations/test_run_sh.py, and here typed into one). Every claim ends with real weights compared to an
 uninterrupted run.
 """
 
@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import (
+from support import (
     DEFAULTS,
     REPO,
     assert_gone,
@@ -42,11 +42,11 @@ from conftest import (
 
 def stop_and_resume(hows, signum, reference, tiny_data, folder):
     """bash run.sh ddp 2 with the defaults, stopped by signum after its first step, delivered each way in `hows` in
-    turn (conftest.deliver; "launcher killed": SIGKILL of the torchrun agent, whose ranks then get SIGTERM from the
+    turn (support.deliver; "launcher killed": SIGKILL of the torchrun agent, whose ranks then get SIGTERM from the
     kernel): the first to the new job, each next one to the job that resumed the last stop (with --resume auto),
     after its own first step. While the first job runs (paused), a second one started into its folder with --resume
     auto ends at once in one line. A last --resume auto must end with the reference's weights. (Ctrl-C to run.sh's
-    process group: tests/test_run_sh.py.)"""
+    process group: tests/operations/test_run_sh.py.)"""
     args = ["ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder / "run"]
     stopped_after = 0
     for how in hows:
@@ -198,28 +198,6 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
     stops = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
     assert job.returncode == 143 and len(stops) == 1, output[-3000:]
     assert saved <= int(stops[0].split("after step ")[1].split(":")[0]) <= saved + 2, (saved, stops)
-
-
-def test_elastic_restart_with_loader_workers_resumes_and_ends_with_uninterrupted_weights(
-    default_ddp, tiny_data, tmp_path
-):
-    reference, folder, env = default_ddp, tmp_path, job_env(TORCHRUN_ARGS="--max-restarts=1")
-    job, lines, killed = (
-        start_sh(
-            "ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--save-every", "1", "--output-dir", folder / "run", env=env
-        ),
-        [],
-        False,
-    )
-    if read_until(job, lines, "epoch 1/2  step 2/3"):
-        os.kill(ranks(job)[0], signal.SIGKILL)
-        killed = True
-    output = finish(job, lines, timeout=120)
-    assert killed and job.returncode == 0, output[-3000:]
-    # the restarted group continued after its last checkpoint (step 2, written before the kill), once
-    assert output.count("epoch 1/2  step 1/3") == 1, output[-3000:]
-    assert_resumed_after(output)
-    assert_same_weights(load_model_state(folder / "run" / "last.pt"), load_model_state(reference / "last.pt"))
 
 
 def diverge(mode, tiny_data, folder):

@@ -1,4 +1,4 @@
-"""The suite's own promises: the CPU tests hide the GPUs from everything they start (only tests/test_gpu.py sees
+"""The suite's own promises: the CPU tests hide the GPUs from everything they start (only tests/gpu/test_gpu.py sees
 them), and a job a test starts ends at its time limit, every process of it, even one that stalls without output."""
 
 import os
@@ -9,14 +9,15 @@ import time
 
 import pytest
 
-import conftest
-from conftest import assert_job_gone, cpu_env, finish, job_env, run, start, start_sh
+import support
+from support import assert_job_gone, cpu_env, finish, job_env, run, start, start_sh
 
 
-def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
+def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path, monkeypatch):
     """On a GPU machine a CPU test that let a process see a GPU would train on it (cuDNN is not bitwise), or make
     run.sh refuse 2 processes on one GPU: every environment the CPU tests give, and the one a started process
     inherits, says CUDA_VISIBLE_DEVICES= (empty); test_gpu.py's keeps what the suite was started with."""
+    monkeypatch.syspath_prepend(support.REPO / "tests" / "gpu")
     import test_gpu
 
     envs = {"os.environ (inherited)": dict(os.environ), "cpu_env()": cpu_env(), "job_env()": job_env()}
@@ -24,7 +25,7 @@ def test_cpu_tests_hide_the_gpus_from_what_they_start(tmp_path):
         name: env.get("CUDA_VISIBLE_DEVICES") for name, env in envs.items() if env.get("CUDA_VISIBLE_DEVICES") != ""
     }
     assert not exposed, f"these environments do not hide the GPUs: {exposed}"
-    assert test_gpu.env().get("CUDA_VISIBLE_DEVICES") == conftest.USER_VISIBLE_DEVICES
+    assert test_gpu.env().get("CUDA_VISIBLE_DEVICES") == support.USER_VISIBLE_DEVICES
 
     # What real processes got: run()'s default environment, and start_sh()'s (bash run.sh) read from /proc
     probe = tmp_path / "probe.py"
@@ -96,7 +97,7 @@ def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(t
             str(probe),
         ],
         cwd=tmp_path,
-        env=job_env(PYTHONPATH=str(conftest.REPO / "tests")),
+        env=job_env(PYTHONPATH=str(support.REPO / "tests")),
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 
 # (from, to): the most changed lines (`diff A B | grep -c '^[<>]'`) that one concept may cost, in code that
 # `ruff format` lays out (one argument a line once a call does not fit on one): 20/112/96/33/141 when set

@@ -2,7 +2,7 @@
 
 One full run (about 10 s on a quiet 2-core machine) is shared by the tests of its report; the failing-port test
 adds a shorter run without the all-reduce. Like every CPU test, these hide the GPUs from what they start
-(conftest.cpu_env): on a GPU machine too, the doctor reports a machine without CUDA, and gpucheck dry-runs.
+(support.cpu_env): on a GPU machine too, the doctor reports a machine without CUDA, and gpucheck dry-runs.
 """
 
 import json
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import cpu_env, run
+from support import cpu_env, run
 
 LINE = re.compile(r"^(ok|warn|fail|skip) +\S")
 
@@ -142,26 +142,3 @@ def test_a_broken_torchvision_is_its_one_failure(tmp_path):
         "fail  torchvision does not import (ImportError: built for another torch); pip install -r requirements.txt"
     ], lines
     assert line_of(lines, r"CPU bf16: ").startswith(("ok    CPU bf16: ", "warn  CPU bf16: "))
-
-
-def test_gpucheck_on_a_cpu_runs_the_doctor_and_says_the_cuda_parts_were_skipped(tmp_path):
-    report = tmp_path / "report.txt"
-    result = run(
-        ["bash", "run.sh", "gpucheck", "--report", report],
-        timeout=120,
-        env={k: v for k, v in cpu_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    skipped = "CUDA parts (tests/test_gpu.py, GPU bench rows): skipped, no CUDA GPU on this machine"
-    assert skipped in result.stdout.splitlines() and f"report: {report}" in result.stdout
-    text = report.read_text()
-    assert skipped in text and "## bash run.sh doctor: ok" in text and "all-reduce gloo, 2 processes" in text
-    assert "plan on one GPU, from guessed launch costs: tests/test_gpu.py " in result.stdout
-    assert "(budget 420 s)" in result.stdout
-    assert "what this proves: nothing about GPUs (no CUDA GPU here" in result.stdout  # said plainly
-    import gpucheck  # on a GPU, what one GPU cannot prove is said too
-
-    assert any(
-        "what one GPU cannot prove: NCCL between ranks" in line
-        for line in gpucheck.what_it_proves(True, 1, [("bash run.sh doctor: ok, 9 s", True)])
-    )

@@ -20,7 +20,7 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (
+from support import (
     FAST,
     NO_NETWORK,
     REPO,
@@ -32,7 +32,7 @@ from conftest import (
     run,
     start,
 )
-from shared import make_dataset
+from support import make_dataset
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line

@@ -27,7 +27,7 @@ communication hook (fp16 compression), which DDP allows once: nothing of ours ma
 
 In this process: each copy's own datasets pass its item check (utils.check_datasets with its target_problem), and a
 float64 input, a uint8 image channels last and a target of another task each end in one line (utils.split_outputs:
-tests/test_helpers.py).
+tests/units/test_helpers.py).
 """
 
 import importlib.util
@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import utils
-from conftest import (
+from support import (
     BF16,
     REPO,
     assert_resumed_after,
@@ -435,8 +435,17 @@ def users_block(task):
 # the user's own hook, right after the DDP wrap
 HOOK = (
     "    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook\n"
-    "    model.register_comm_hook(None, fp16_compress_hook)\n"
+    "\n"
+    "    def compressed(state, bucket):  # fp16_compress_hook, its first call said (the test looks for it)\n"
+    "        if not compressed.ran and rank == 0:\n"
+    "            print('the communication hook ran', flush=True)\n"
+    "        compressed.ran = True\n"
+    "        return fp16_compress_hook(state, bucket)\n"
+    "\n"
+    "    compressed.ran = False\n"
+    "    model.register_comm_hook(None, compressed)\n"
 )
+HOOK_RAN = "the communication hook ran"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 RUNGS = {  # rung: (script, how it is started, its batch, whether it saves on the stop signal itself)
     "single": ("train_single.py", [], "16", False),
@@ -522,6 +531,8 @@ class Runs:
             assert learned(task, results[f"final_{best}"]), (results, whole.stdout[-2000:])
             assert "Traceback" not in whole.stderr, whole.stderr[-3000:]
             assert "loader workers per process: 1;" in whole.stdout  # the default on a CPU, shown in the header
+            if rung in ("torchrun", "amp"):  # the DDP copies: the user's hook was inserted, and DDP called it
+                assert whole.stdout.count(HOOK_RAN) == 1, whole.stdout[-2000:]
             # each epoch's line shows the metric; best_<metric> is the highest, or the lowest (higher_is_better)
             epochs = re.findall(
                 rf"^epoch \d/3  val loss \d\.\d{{4}}  .*\b{best} (\d+\.\d{{4}}) .*\(47 samples\)", whole.stdout, re.M

@@ -15,7 +15,7 @@ import torch
 import torchvision
 
 import utils
-from conftest import (
+from support import (
     DEFAULTS,
     EXACT,
     REPO,
@@ -33,8 +33,8 @@ from conftest import (
     start_sh,
     torchrun,
 )
-from shared import copy_while_paused
-from test_ddp import run_and_kill_one_worker
+from support import copy_while_paused
+
 
 TOL = 1e-5  # see test_ddp.py
 COMMON = EXACT
@@ -126,31 +126,6 @@ def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bar
     plain, accum = (collectives_per_step(folder / "trace.json") for folder in (plain_dir, accum_dir))
     assert accum["reduce_scatter"] == plain["reduce_scatter"] == 1, (plain, accum)
     assert accum["allgather"] == 2 * plain["allgather"] > 0, (plain, accum)
-
-
-def test_elastic_restart_after_a_killed_worker_resumes_and_finishes(runs, tiny_data, bare, tmp_path):
-    """A worker SIGKILLed mid-run: the restarted group resumes the sharded checkpoint saved before the kill at its
-    world size and ends bit for bit at the uninterrupted weights (same ranks, batches and summation order; DCP
-    restores every parameter and momentum exactly, and with --freeze the BatchNorm statistics never change). (At
-    another world size and mesh: the HSDP test below.)"""
-    args = [*COMMON, "--data-path", tiny_data, "-b", "8", "--save-every", "2", "--output-dir", tmp_path / "killed"]
-    stdout, code, killed = run_and_kill_one_worker(
-        bare, "train_fsdp.py", args, kill_after="epoch 1/2  step 3/3", victim=-1
-    )
-    assert killed, "the run ended before a worker could be killed"
-    assert code == 0, stdout[-4000:]
-    resumed = stdout.split("resuming from")[1].splitlines()[0]
-    assert resumed.endswith(
-        (
-            "epoch 1 after 32 of its 50 samples (at global batch 16)",
-            "epoch 2 after 0 of its 50 samples (at global batch 16)",
-        )
-    ), resumed
-    # the restarted group trained from the step after that checkpoint, not again from step 1
-    assert stdout.count("epoch 1/2  step 1/3") == 1 and assert_resumed_after(stdout)[0] in (3, 4), stdout[-4000:]
-    assert_same_weights(
-        load_model_state(tmp_path / "killed" / "last.pt"), load_model_state(runs["dir"] / "fsdp" / "last.pt")
-    )
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Every rung on a CUDA GPU, as a user starts it: short runs with the default settings (loader workers, BatchNorm
 training), nccl for the DDP and FSDP rungs, one process (a one-GPU machine runs them all). Skipped without CUDA.
-The only test module that sees the GPUs: every other one hides them from what it starts (conftest.cpu_env).
+The only test module that sees the GPUs: every other one hides them from what it starts (support.cpu_env).
 
 Sane results: exit 0, the script says it trained on cuda, results.json holds an accuracy better than chance, and
 last.pt loads (weights_only) into a plain torchvision model. No training step waits for the GPU (a host sync per
@@ -24,7 +24,7 @@ import torchvision
 
 import builtin
 import utils
-from conftest import (
+from support import (
     DEFAULTS,
     FP16_CLIP,
     REPO,
@@ -51,9 +51,10 @@ pytestmark = pytest.mark.skipif(
 # lost or repeated on resume is far outside this.
 TOL = 1e-3
 
-# What each test starts, for tools/gpucheck.py's time limits (tests/test_doctor.py checks that every test is here):
-# {test: (script runs in one process, torchrun launches, GPUs it needs)}. Each start imports torch and torchvision
-# and starts CUDA and 2 loader workers; a torchrun launch starts the launcher first, and NCCL. (0, 0): in this process.
+# What each test starts, for tools/gpucheck.py's time limits (tests/tools/test_gpucheck.py checks that every test is
+# here): {test: (script runs in one process, torchrun launches, GPUs it needs)}. Each start imports torch and
+# torchvision and starts CUDA and 2 loader workers; a torchrun launch starts the launcher first, and NCCL. (0, 0): in
+# this process.
 LAUNCHES = {
     "test_training_steps_never_wait_for_the_gpu": (0, 0, 1),
     "test_each_script_trains_on_cuda": (2, 6, 1),

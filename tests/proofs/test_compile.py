@@ -13,7 +13,7 @@ import shutil
 import torch
 import torchvision
 
-from conftest import (
+from support import (
     BF16,
     NAMED_WEIGHTS,
     assert_resumed_after,

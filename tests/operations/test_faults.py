@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import (
+from support import (
     DEFAULTS,
     EXACT,
     FAST,

@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import (
+from support import (
     BF16,
     DEFAULTS,
     REPO,

@@ -1,19 +1,15 @@
 """What holds at scale and breaks only outside tiny tests: BatchNorm statistics at evaluation, restarts across nodes
 whose agents disagree, a resume with another world size or batch, nodes that see different files, no launcher."""
 
-import os
 import shutil
-import signal
 import sys
-import threading
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from conftest import (
+from support import (
     EXACT,
     REPO,
     assert_resumed_after,
@@ -22,12 +18,9 @@ from conftest import (
     free_port,
     in_this_process,
     job_env,
-    kill_job,
     load_model_state,
     ok,
-    ranks,
     run,
-    start,
     start_sh,
     torchrun,
 )
@@ -187,131 +180,6 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
     assert (reference["fc.weight"] - saved["fc.weight"]).abs().max() > 100 * TOL  # the steps left moved the head
     for name in ("three", "one"):
         assert_same_weights(load_model_state(tmp_path / name / "last.pt"), reference, atol=TOL)
-
-
-def read_lines(job, into):
-    thread = threading.Thread(target=lambda: into.extend(job.stdout), daemon=True)
-    thread.start()
-    return thread
-
-
-def end_all(jobs, readers):
-    """(in a finally) every job's watchdog off and its processes killed, every output reader done."""
-    for job in jobs:
-        job.watchdog.cancel()
-        kill_job(job.token)
-    for reader in readers:
-        reader.join(timeout=10)
-
-
-def pending_signals(pid):
-    """The signals sent to a process and not yet delivered (it is stopped, or blocks them)."""
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    mask = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
-    return {signal.Signals(bit + 1) for bit in range(64) if mask >> bit & 1 and bit + 1 in signal.valid_signals()}
-
-
-def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_data, tmp_path):
-    """Two torchrun agents (nodes) with --max-restarts=1. One node's worker hangs (SIGSTOP, as a rank does when its
-    NCCL peer died) and the other node's worker dies (SIGKILL). The second agent counts a restart; the first
-    restarts for the membership change, which torchrun does not count, so the two nodes' restart counts differ (the
-    agents' own log lines say which each did). Both must still meet, resume from the checkpoint and finish with the
-    uninterrupted weights: two nodes (run.sh, NNODES=2, c10d on 127.0.0.1) end as one process with the global batch
-    (tests/test_hosts.py: two hosts, without a restart, bitwise as one machine)."""
-    env = job_env(
-        NNODES="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        RDZV_ID="test-restart",
-        TORCHRUN_ARGS="--max-restarts=1",
-        LOGLEVEL="INFO",
-    )  # INFO: the agents say why they restart
-    args = [
-        "ddp",
-        1,
-        *EXACT,
-        "--data-path",
-        tiny_data,
-        "-b",
-        "8",
-        "--save-every",
-        "1",
-        "--output-dir",
-        tmp_path / "run",
-    ]
-    nodes = [start_sh(*args, env=env, timeout=300) for _ in range(2)]
-    outputs = [[], []]
-    readers = [read_lines(node, out) for node, out in zip(nodes, outputs)]
-    try:
-        deadline = time.time() + 150
-        while not any("epoch 1/2  step 2/3" in line for out in outputs for line in out):
-            assert time.time() < deadline and all(node.poll() is None for node in nodes), outputs
-            time.sleep(0.05)
-        stuck, killed = (next(iter(ranks(node).values())) for node in nodes)
-        os.kill(stuck, signal.SIGSTOP)
-        os.kill(killed, signal.SIGKILL)
-        # the second agent re-rendezvouses; the first sees it waiting and stops its worker: SIGTERM, held while it
-        # is stopped (torchrun SIGKILLs it 30 s later). Wait for that SIGTERM, then let the worker act on it.
-        deadline = time.time() + 60
-        while signal.SIGTERM not in pending_signals(stuck):
-            assert time.time() < deadline, f"the first agent never stopped its worker:\n{''.join(outputs[0])[-3000:]}"
-            time.sleep(0.05)
-        os.kill(stuck, signal.SIGCONT)
-        for node in nodes:
-            node.wait(timeout=180)
-    finally:
-        end_all(nodes, readers)
-    text = ["".join(out) for out in outputs]
-    assert [node.returncode for node in nodes] == [0, 0], [t[-3000:] for t in text]
-    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in text[1], text[1][-3000:]
-    assert "new nodes from group_rank=" in text[0] and "Worker group FAILED" not in text[0], text[0][-3000:]
-    assert sum(t.count("global batch 16 = 8 per process x 2 processes") for t in text) == 2, text  # rank 0, twice
-    resumed = [t for t in text if "resuming from" in t]
-    assert len(resumed) == 1, text
-    assert assert_resumed_after(resumed[0])[0] in (2, 3, 4), resumed[0][-3000:]  # after step 1, 2 or 3
-    # the uninterrupted weights: one process with the global batch (shared.exact_single; W x B == 1 x W*B)
-    assert_same_weights(
-        load_model_state(tmp_path / "run" / "last.pt"), load_model_state(exact_single / "last.pt"), atol=TOL
-    )
-
-
-def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data, tmp_path):
-    """torchrun started directly, two agents with --max-restarts=1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    (which run.sh sets): the restarted nodes may never meet again, so every attempt is refused with one line naming
-    the variable, before it trains."""
-    env = job_env()
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=test-shared-store",
-        "train_ddp_torchrun.py",
-        *EXACT,
-        "--data-path",
-        tiny_data,
-        "-b",
-        "8",
-        "--output-dir",
-        tmp_path / "run",
-    ]
-    nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
-    outputs = [finish(node, [], timeout=180) for node in nodes]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode != 0, output[-3000:]
-        errors = {line for line in output.splitlines() if line.startswith("error:")}
-        assert errors == {
-            "error: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-            "environment (run.sh sets it), or the restarted nodes may never meet again"
-        }, output[-3000:]
-        assert "  step " not in output and not (tmp_path / "run" / "last.pt").exists()
 
 
 def test_ranks_that_see_different_data_stop_with_one_line_per_node(tiny_data, tmp_path):

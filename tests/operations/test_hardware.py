@@ -1,17 +1,16 @@
 """Right on the hardware people have, proven on the CPU: what the scripts choose by default for the machine (loader
 workers, bf16 where the CPU computes it), checkpoints that open on any machine, and the GPU check that sizes its
-limits from a measured launch and fails on a crashed bench row. What needs a GPU is in tests/test_gpu.py."""
+limits from a measured launch and fails on a crashed bench row. What needs a GPU is in tests/gpu/test_gpu.py."""
 
 import json
 import sys
 import types
 
-import pytest
 import torch
 
 import dist_utils
 import utils
-from conftest import BF16, DEFAULTS, FP16_CLIP, REPO, job_env, load_model_state, ok, run, run_sh
+from support import BF16, DEFAULTS, FP16_CLIP, job_env, load_model_state, ok, run, run_sh
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # as a CPU without AVX512 (or AMX) runs
 
@@ -35,7 +34,7 @@ def test_default_loader_workers_follow_the_cores(monkeypatch):
 def test_a_checkpoint_holds_cpu_tensors_only(tmp_path, monkeypatch):
     """Every tensor of the state (model, optimizer state, tensors nested in dicts and lists) goes through .cpu()
     before torch.save, so that a checkpoint written on a GPU opens with plain torch.load where there is none
-    (tests/test_gpu.py proves it on a GPU)."""
+    (tests/gpu/test_gpu.py proves it on a GPU)."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(5, 3)).sum().backward()
@@ -93,7 +92,7 @@ def test_amp_on_a_cpu_without_bf16_says_so_in_one_line(default_amp, tiny_data, t
 
 
 def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_amp, fsdp_references, tiny_data, tmp_path):
-    """tests/test_gpu.py's fp16 run clips at FP16_CLIP. default_amp clips there too, in bf16 on the CPU, and
+    """tests/gpu/test_gpu.py's fp16 run clips at FP16_CLIP. default_amp clips there too, in bf16 on the CPU, and
     learns (better than the 6 of 17 that guessing one class scores); and the clip acts on these runs' gradients
     (the first steps' norm is 60-80): the fp32 FSDP run clipped at it (the global norm, as one process clips:
     test_fsdp.py) ends elsewhere than the unclipped one (fsdp_references' BatchNorm run)."""
@@ -101,41 +100,6 @@ def test_the_fp16_clip_value_bounds_steps_and_still_learns(default_amp, fsdp_ref
     ok(run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--clip-grad", FP16_CLIP, "--output-dir", tmp_path))
     clipped, free = load_model_state(tmp_path / "last.pt"), load_model_state(fsdp_references["bn"] / "last.pt")
     assert any(not torch.equal(clipped[k], free[k]) for k in clipped if clipped[k].is_floating_point())
-
-
-def test_gpucheck_sizes_its_limits_from_a_measured_launch(monkeypatch):
-    """Every GPU test is counted in tests/test_gpu.py's LAUNCHES, and the plan's limit for them grows with the
-    measured cost of a launch; on one GPU as on eight the guessed costs leave the bench rows their first 90 s."""
-    import ast
-    import gpucheck
-
-    tree = ast.parse((REPO / "tests" / "test_gpu.py").read_text())
-    tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
-    assert set(gpucheck.launches()) == tests
-    for gpus in (1, 8):
-        parts = dict(gpucheck.plan(gpus, 420, gpucheck.GUESSED))
-        assert list(parts) == ["tests/test_gpu.py", "doctor", "GPU bench rows"] and parts["GPU bench rows"] >= 90
-    quick, slow = (dict(gpucheck.plan(1, 420, {"script": s, "torchrun": 2 * s}))["tests/test_gpu.py"] for s in (5, 10))
-    runs = sum(gpucheck.MARGIN * (a + 2 * b) for a, b, needs in gpucheck.launches().values() if needs <= 1)
-    assert slow - quick == pytest.approx(5 * runs, abs=1)
-
-
-def test_gpucheck_fails_where_torch_cannot_use_the_nvidia_gpu(monkeypatch, capsys, tmp_path):
-    """An NVIDIA device on the machine (here: a stand-in nvidia-smi) and a torch that cannot use CUDA (a wheel built
-    for a newer driver): one error line and exit status 1, not "skipped"."""
-    import gpucheck
-
-    monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI 535.00'\n")
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden on purpose
-    monkeypatch.setattr(gpucheck.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(gpucheck, "run_part", lambda title, *args, **kwargs: (f"{title}: ok, 1 s", True, 1.0))
-    monkeypatch.setattr(sys, "argv", ["gpucheck.py", "--report", str(tmp_path / "report.txt")])
-    assert gpucheck.main() == 1
-    out = capsys.readouterr().out
-    assert "error: this machine has an NVIDIA GPU, but torch" in out and "cannot use it" in out, out
-    assert "what this proves: nothing about GPUs" in out
 
 
 def test_bench_exits_with_status_1_when_a_gpu_row_crashes(monkeypatch, tmp_path):
