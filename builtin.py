@@ -177,8 +177,26 @@ class ImageFiles(Dataset):
         return len(self.files)
 
     def __getitem__(self, index):
-        path, label = self.files[index]
-        crop = {}  # chosen on the full-size image: width, top, left, height, box_width, flip
+        image, crop = self.decode(index)
+        label = self.files[index][1]
+        if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
+            return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
+        ratio = image.shape[-1] / crop["width"]  # the crop, mapped onto an image decoded smaller (else 1)
+        top = round(crop["top"] * ratio)
+        left = round(crop["left"] * ratio)
+        bottom = round((crop["top"] + crop["height"]) * ratio)
+        right = round((crop["left"] + crop["box_width"]) * ratio)
+        # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
+        image = torch.nn.functional.interpolate(
+            image[None, :, top:bottom, left:right], size=[self.img_size] * 2, mode="bilinear", antialias=True
+        )[0]
+        return image.flip(-1) if crop["flip"] else image, label
+
+    def decode(self, index):
+        """The file decoded, at the fraction of its size that the crop chosen for it allows: (image, that crop). The
+        crop is chosen on the full-size image (width, top, left, height, box_width, flip)."""
+        path = self.files[index][0]
+        crop = {}
 
         def scale(height, width):
             """Choose the crop of an image of that size; return 8, 4 or 2 to decode it at that fraction of its size
@@ -194,18 +212,7 @@ class ImageFiles(Dataset):
         image = decode_image(path, scale)  # a JPEG: scale() is given the size from its header before decoding
         if not crop:  # other images: once decoded
             scale(*image.shape[-2:])
-        if not self.train:  # the usual evaluation view: resize to 8/7 of the crop, then take the centre
-            return TF.center_crop(TF.resize(image, round(self.img_size * 8 / 7), antialias=True), self.img_size), label
-        ratio = image.shape[-1] / crop["width"]  # the crop, mapped onto an image decoded smaller (else 1)
-        top = round(crop["top"] * ratio)
-        left = round(crop["left"] * ratio)
-        bottom = round((crop["top"] + crop["height"]) * ratio)
-        right = round((crop["left"] + crop["box_width"]) * ratio)
-        # TF.resized_crop(..., antialias=True) and TF.horizontal_flip called directly: the same pixels, cheaper
-        image = torch.nn.functional.interpolate(
-            image[None, :, top:bottom, left:right], size=[self.img_size] * 2, mode="bilinear", antialias=True
-        )[0]
-        return image.flip(-1) if crop["flip"] else image, label
+        return image, crop
 
     def large_photo_hint(self):
         """The data-wait hint where the photos are far larger than the crop (the median of 8 files' header sizes)."""

@@ -13,21 +13,25 @@ epoch warms up; evaluation and checkpoints are left out). Rows:
                   nothing to decode, so that single and dp cannot beat it by being timed differently
   single, dp      train_single.py and train_dp.py (unwrapped on a CPU), against the limit
   ddp N           train_ddp_torchrun.py under torchrun, against single on the same cores
-  amp N           train_ddp_amp.py --amp-dtype bf16, against ddp; skipped, with why, on a CPU without bf16 arithmetic
-  accum 4         ddp N --accum-steps 4 (no_sync) against ddp N, beside its ceiling: ddp N with one all-reduce
-                  per epoch (--accum-steps = the epoch's micro-batches), the most that skipping all-reduces gives
-  loaders         the project's training data path (builtin.ImageFiles read through utils.SeededItems) against
-                  the textbook ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize, on the same
-                  files, one thread, timed in this process by torch.utils.benchmark (blocked_autorange): the demo
-                  data at 64 px, and generated 12 MP photo-like JPEGs at 224 px
+  amp N           train_ddp_amp.py --amp-dtype bf16, against its own compute limit (its in-memory copy), and
+                  beside ddp; skipped, with why, on a CPU without bf16 arithmetic
+  accum 4         ddp N --accum-steps 4 (no_sync) against its ceiling: ddp N with one all-reduce per epoch
+                  (--accum-steps = the epoch's micro-batches), the most that skipping all-reduces gives; beside ddp N
+  loaders         the project's training data path (builtin.ImageFiles read through utils.SeededItems) against its
+                  limit, the decode alone (the same files, each decoded at the same reduced scale, nothing else), and
+                  beside the textbook ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize; one
+                  thread, timed in this process by torch.utils.benchmark (blocked_autorange): the demo data at
+                  64 px, and generated 12 MP photo-like JPEGs at 224 px
   start-up        train_single.py's first progress line after its start, less its import of torch and torchvision
                   (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every training row runs with)
 The rows run --repeats times (3; 1 with --quick or --tiny), in alternating order; a figure is the median over the
-repetitions, a ratio the median of the ratios within each. "others": the cores that processes not started by the
-bench used during a row (/proc/stat): above ~0.1, others slowed it. On a CUDA machine the GPU rows follow (resnet50
-at 224 px on 2,000 generated ImageNet-sized JPEGs: amp 1 and train_single.py, each beside its in-memory limit, amp 1
-with fewer loader workers), each within a time limit; a row that no longer fits --gpu-budget is skipped and named,
-a row that crashes makes the exit status 1. Results: a markdown table on stdout and <output-dir>/bench.json.
+repetitions, a ratio the median of the ratios within each. Each target is a fraction of a limit measured in the same
+run; a target that the median misses but a repetition meets is "within noise" (the repetitions' range is shown).
+"others": the cores that processes not started by the bench used during a row (/proc/stat): above ~0.1, others
+slowed it. On a CUDA machine the GPU rows follow (resnet50 at 224 px on 2,000 generated ImageNet-sized JPEGs: amp 1
+and train_single.py, each beside its in-memory limit, amp 1 with fewer loader workers), each within a time limit; a
+row that no longer fits --gpu-budget is skipped and named, a row that crashes makes the exit status 1. Results: a
+markdown table on stdout and <output-dir>/bench.json.
 """
 
 import argparse
@@ -57,12 +61,15 @@ PHOTO_SIZE = (4032, 3024)  # a 12 MP phone photo
 PHOTO_IMG = 224  # the default crop on such data
 PROGRESS = re.compile(r"epoch (\d+)/\d+\s+step (\d+)/\d+\s+loss \S+\s+lr \S+\s+([\d.]+) img/s")
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| +(torch|torchvision)$")  # cumulative microseconds
+# Each a fraction of a limit that the same run measures (start-up: seconds), so that a figure is judged against
+# what this machine allows
 TARGETS = {
     "single_ratio": 0.97,
     "ddp_ratio": 0.90,
-    "accum_speedup": 1.2,
-    "loader_speedup": 2.0,
-    "photo_loader_speedup": 3.5,
+    "amp_of_limit": 0.90,
+    "accum_of_ceiling": 0.90,
+    "loader_of_decode": 0.90,
+    "photo_loader_of_decode": 0.90,
     "startup_s": 1.0,
 }
 GPU_MODEL = "resnet50"
@@ -175,6 +182,11 @@ def train(cmd, threads, timeout, output_dir):
 # ------------------------------------------------------------------------------------------ timed in this process
 def timed(call, threads, seconds):
     """Seconds per call of call(): torch.utils.benchmark's blocked_autorange, its mean, the collector on."""
+    import logging
+
+    # torch.utils.benchmark imports cpp_extension, which warns "No CUDA runtime is found" where a CUDA toolkit is
+    # installed without a GPU: nothing this bench uses
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils.benchmark import Timer
 
     call()  # the first: oneDNN's kernels chosen, files read into the cache
@@ -182,8 +194,22 @@ def timed(call, threads, seconds):
     return timer.blocked_autorange(min_run_time=seconds).mean
 
 
+class Decoded:
+    """The project's decode alone: each file at the reduced scale its crop allows (builtin.ImageFiles.decode)."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.images.decode(index)[0]
+
+
 def loaders(root, img_size, batch, seconds, epoch, order):
-    """img/s of the project's training data path and of the textbook one, one thread, on the same files."""
+    """img/s of the project's training data path, of its decode alone and of the textbook path, one thread, on the
+    same files."""
     import torchvision
     import torchvision.transforms as T
     from torch.utils.data import default_collate
@@ -197,10 +223,13 @@ def loaders(root, img_size, batch, seconds, epoch, order):
             [T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(utils.MEAN, utils.STD)]
         ),
     )
-    project = utils.SeededItems(builtin.ImageFiles(builtin.FileList(textbook.samples), img_size, train=True), seed=0)
+    images = builtin.ImageFiles(builtin.FileList(textbook.samples), img_size, train=True)
+    project = utils.SeededItems(images, seed=0)
+    decoded = utils.SeededItems(Decoded(images), seed=0)  # the same crops drawn: the same decode scales
     # a new crop every read, as the textbook's (an epoch a pass): 6 photos' 6 crops would fix their decode scales
     reads = {
         "project": lambda n: project[(epoch * (1 << 40) + n // len(project), n % len(project))],
+        "decode": lambda n: decoded[(epoch * (1 << 40) + n // len(project), n % len(project))],
         "textbook": lambda n: textbook[n % len(project)],
     }
     before = cpu_sample()
@@ -208,13 +237,16 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     for name in order:
         batches = (range(n, n + batch) for n in range(0, 1 << 40, batch))  # each call the next reads
 
-        def read_batch(read=reads[name], batches=batches):
-            return default_collate([read(n) for n in next(batches)])
+        def read_batch(read=reads[name], batches=batches, collate=name != "decode"):
+            items = [read(n) for n in next(batches)]
+            return default_collate(items) if collate else items  # (decoded images differ in size)
 
         rates[name] = batch / timed(read_batch, 1, seconds)
     return {
         "img_s": rates["project"],
+        "decode_img_s": rates["decode"],
         "textbook_img_s": rates["textbook"],
+        "of_decode": rates["project"] / rates["decode"],
         "speedup": rates["project"] / rates["textbook"],
         "others": other_cores(before),
     }
@@ -315,24 +347,27 @@ def measure(opts, cores, tmp):
         "accum": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", 4], per_proc),
         "ceiling": (torchrun + ["train_ddp_torchrun.py", "--accum-steps", micro_batches], per_proc),
         "amp": (torchrun + ["train_ddp_amp.py", "--amp-dtype", "bf16"], per_proc),
+        "amp_limit": (torchrun + [in_memory("train_ddp_amp.py", tmp), "--amp-dtype", "bf16"], per_proc),
     }
     skipped = {}
     if opts.tiny:  # the same launch and parsing as single and accum: left out to keep the smoke test short
-        skipped["dp"] = skipped["ceiling"] = "--tiny (timed as the row above it is)"
+        skipped["dp"] = skipped["ceiling"] = skipped["amp_limit"] = "--tiny (timed as the row above it is)"
     if micro_batches < 4:
         skipped["accum"] = skipped["ceiling"] = (
             f"{len(train_samples)} training images are too few for {nproc} "
             f"processes x batch {BATCH} x 4 accumulation steps"
         )
     if not cuda and not dist_utils.cpu_computes_bf16():  # emulated bf16 is 10-30x slower than fp32: no figure
-        skipped["amp"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
+        skipped["amp"] = skipped["amp_limit"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
     runs = {name: [] for name in (*scripts, "loader", "photos") if name not in skipped}
     for rep in range(repeats):
         names = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # a drift of the machine hits both sides
         for name in names:
             print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
             if name in ("loader", "photos"):
-                order = ("project", "textbook") if rep % 2 == 0 else ("textbook", "project")
+                order = ("project", "decode", "textbook")
+                if rep % 2:
+                    order = order[::-1]
                 if name == "loader":
                     runs[name].append(loaders(data, IMG_SIZE, BATCH, seconds, rep, order))
                 else:
@@ -388,14 +423,21 @@ def summarize(runs, skipped, config, machine):
         "ddp_ratio": rep_ratio("ddp_ratio", "ddp", "single", config["nproc"] if gpu else 1),
         "amp_img_s": figure("amp"),
         "amp_ratio": rep_ratio("amp_ratio", "amp", "ddp"),
+        "amp_limit_img_s": figure("amp_limit"),
+        "amp_of_limit": rep_ratio("amp_of_limit", "amp", "amp_limit"),
         "accum_img_s": figure("accum"),
         "accum_speedup": rep_ratio("accum_speedup", "accum", "ddp"),
         "ceiling_img_s": figure("ceiling"),
         "accum_ceiling": rep_ratio("accum_ceiling", "ceiling", "ddp"),
+        "accum_of_ceiling": rep_ratio("accum_of_ceiling", "accum", "ceiling"),
         "loader_img_s": figure("loader"),
+        "decode_loader_img_s": figure("loader", "decode_img_s"),
+        "loader_of_decode": figure("loader", "of_decode"),
         "textbook_loader_img_s": figure("loader", "textbook_img_s"),
         "loader_speedup": figure("loader", "speedup"),
         "photo_loader_img_s": figure("photos"),
+        "photo_decode_loader_img_s": figure("photos", "decode_img_s"),
+        "photo_loader_of_decode": figure("photos", "of_decode"),
         "photo_textbook_loader_img_s": figure("photos", "textbook_img_s"),
         "photo_loader_speedup": figure("photos", "speedup"),
         "first_step_s": None if gpu else figure("single", "first_step_s"),
@@ -403,6 +445,8 @@ def summarize(runs, skipped, config, machine):
         "skipped": skipped,
     }
     r["startup_s"] = r["first_step_s"] - r["import_s"] if r["first_step_s"] and r["import_s"] else None
+    each["loader_of_decode"] = [run["of_decode"] for run in runs.get("loader", [])]
+    each["photo_loader_of_decode"] = [run["of_decode"] for run in runs.get("photos", [])]
     r["ratios_each_repetition"] = each
 
     def met(key, target):
@@ -413,8 +457,13 @@ def summarize(runs, skipped, config, machine):
             return r[key] <= target
         return r[key] >= target
 
+    def within_noise(key, target):
+        """A missed ratio target that one of the repetitions meets: the machine's noise spans it."""
+        return met(key, target) is False and any(value >= target for value in each.get(key, []))
+
     r["targets"] = {
-        key: {"target": target, "value": r[key], "met": met(key, target)} for key, target in TARGETS.items()
+        key: {"target": target, "value": r[key], "met": met(key, target), "within_noise": within_noise(key, target)}
+        for key, target in TARGETS.items()
     }
     r["machine"] = {
         "cpu": cpu_model(),
@@ -457,7 +506,13 @@ def table(r):
         t = r["targets"].get(key)
         if not t or t["met"] is None:
             return ""
-        return f"{'met' if t['met'] else 'missed'} ({'<=' if key == 'startup_s' else '>='} {t['target']})"
+        bound = f"({'<=' if key == 'startup_s' else '>='} {t['target']})"
+        if t["met"]:
+            return f"met {bound}"
+        if t["within_noise"]:
+            values = r["ratios_each_repetition"][key]
+            return f"within noise {bound}: repetitions {min(values):.2f}-{max(values):.2f}"
+        return f"missed {bound}"
 
     def row(label, place, name, ratio_label="", ratio_key=None, key="img_s"):
         if name in r["skipped"]:  # the reason where the figure would be: a skipped row reads as one
@@ -487,8 +542,9 @@ def table(r):
             "ddp / (N x single)" if c["device"] == "cuda" else "ddp / single",
             "ddp_ratio",
         ),
-        row(f"amp {n}: train_ddp_amp.py --amp-dtype bf16", many, "amp", "amp / ddp", "amp_ratio"),
-        row(f"ddp {n} --accum-steps 4 (no_sync)", many, "accum", "accum 4 / ddp", "accum_speedup"),
+        row("amp limit: train_ddp_amp.py --amp-dtype bf16, data in memory", many, "amp_limit"),
+        row(f"amp {n}: train_ddp_amp.py --amp-dtype bf16", many, "amp", "amp / limit", "amp_of_limit"),
+        row(f"ddp {n} --accum-steps 4 (no_sync)", many, "accum", "accum 4 / ceiling", "accum_of_ceiling"),
         row(
             f"ceiling: ddp {n} --accum-steps {c['ceiling_accum_steps']} (one all-reduce an epoch)",
             many,
@@ -496,20 +552,22 @@ def table(r):
             "ceiling / ddp",
             "accum_ceiling",
         ),
+        row(f"data {c['img_size']} px: decode alone", "1 x 1 thread", "loader", key="decode_img_s"),
         row(
             f"data {c['img_size']} px: project (ImageFiles, SeededItems)",
             "1 x 1 thread",
             "loader",
-            "project / textbook",
-            "loader_speedup",
+            "project / decode",
+            "loader_of_decode",
         ),
         row(f"data {c['img_size']} px: textbook (ImageFolder, PIL)", "1 x 1 thread", "loader", key="textbook_img_s"),
+        row(f"data 12 MP JPEGs, {PHOTO_IMG} px: decode alone", "1 x 1 thread", "photos", key="decode_img_s"),
         row(
             f"data 12 MP JPEGs, {PHOTO_IMG} px: project",
             "1 x 1 thread",
             "photos",
-            "project / textbook",
-            "photo_loader_speedup",
+            "project / decode",
+            "photo_loader_of_decode",
         ),
         row(f"data 12 MP JPEGs, {PHOTO_IMG} px: textbook", "1 x 1 thread", "photos", key="textbook_img_s"),
         [
@@ -540,6 +598,10 @@ def table(r):
     lines.append(
         "- training rows and the limit: the second of 2 epochs, from the scripts' own progress lines; "
         "the data rows: torch.utils.benchmark in this process (the mean time per call)"
+    )
+    lines.append(
+        f"- beside the targets: amp / ddp {fmt(r['amp_ratio'], 2)}, accum 4 / ddp {fmt(r['accum_speedup'], 2)}, "
+        f"project / textbook {fmt(r['loader_speedup'], 2)} (data) and {fmt(r['photo_loader_speedup'], 2)} (12 MP)"
     )
     lines.append(
         f"- start-up: first step {fmt(r['first_step_s'], 2)} s after the process started, of which "

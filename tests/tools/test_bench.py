@@ -24,9 +24,13 @@ FIGURES = [
     "import_s",
     "startup_s",
     "loader_img_s",
+    "decode_loader_img_s",
+    "loader_of_decode",
     "textbook_loader_img_s",
     "loader_speedup",
     "photo_loader_img_s",
+    "photo_decode_loader_img_s",
+    "photo_loader_of_decode",
     "photo_textbook_loader_img_s",
     "photo_loader_speedup",
 ]
@@ -57,13 +61,51 @@ def test_tiny_bench_writes_every_figure(tmp_path):
         cmd = runs[name][0]["cmd"]
         assert "train_ddp_torchrun.py" in cmd and cmd.endswith(" ".join(single[1:])), cmd
 
-    # Skipped rows are named, with why, in the table: dp and the ceiling under --tiny; amp where the CPU has no bf16
+    # Skipped rows are named, with why, in the table: dp, the ceiling and amp's limit under --tiny; amp and its limit
+    # where the CPU has no bf16
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    assert len(table) == 14, proc.stdout  # the header, its rule and 12 rows
-    assert sum("skipped: --tiny" in line for line in table) == 2, proc.stdout
+    assert len(table) == 17, proc.stdout  # the header, its rule and 15 rows
     bf16 = config["device"] == "cuda" or dist_utils.cpu_computes_bf16()
-    amp_row = next(line for line in table if "train_ddp_amp.py --amp-dtype bf16" in line)
+    assert sum("skipped: --tiny" in line for line in table) == (3 if bf16 else 2), proc.stdout
+    amp_row = next(line for line in table if line.startswith("| amp 1: train_ddp_amp.py --amp-dtype bf16"))
     if bf16:
         assert result["amp_img_s"] > 0 and "bf16" in runs["amp"][0]["cmd"], amp_row
     else:
         assert "skipped: this CPU has no bf16 arithmetic" in amp_row and "amp" not in runs, amp_row
+
+
+def test_each_target_is_judged_against_a_limit_of_the_same_run():
+    """Each verdict from the run's own figures: a ratio to its limit whose median meets the target is met; one that
+    only some repetitions meet is within noise, with their range; one that none meets is missed."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench
+
+    def rows(*rates):
+        return [{"img_s": rate} for rate in rates]
+
+    def loader(project, decode):
+        return {"img_s": project, "decode_img_s": decode, "textbook_img_s": 1.0}
+
+    runs = {
+        "limit": rows(100, 100, 100),
+        "single": rows(98, 99, 97),  # 0.98: met
+        "ddp": rows(95, 95, 95),
+        "amp_limit": rows(100, 100, 100),
+        "amp": rows(85, 92, 86),  # 0.86, one repetition 0.92: within noise
+        "ceiling": rows(100, 100, 100),
+        "accum": rows(80, 81, 82),  # 0.81: missed
+        "loader": [{**loader(95, 100), "of_decode": 0.95, "speedup": 95.0}],
+        "photos": [{**loader(50, 100), "of_decode": 0.5, "speedup": 50.0}],
+    }
+    config = {"device": "cpu", "nproc": 2, "threads_single": 2}
+    r = bench.summarize(runs, {}, config, {"gpu": "none", "gpus": 0, "torch": "2"})
+    assert (r["single_ratio"], r["amp_of_limit"], r["accum_of_ceiling"]) == (0.98, 0.86, 0.81)
+    verdicts = {key: (t["met"], t["within_noise"]) for key, t in r["targets"].items() if t["met"] is not None}
+    assert verdicts == {
+        "single_ratio": (True, False),
+        "ddp_ratio": (True, False),
+        "amp_of_limit": (False, True),
+        "accum_of_ceiling": (False, False),
+        "loader_of_decode": (True, False),
+        "photo_loader_of_decode": (False, False),
+    }
