@@ -1,16 +1,15 @@
-"""bash run.sh bench 1 --tiny (one repetition at a 32-pixel crop, batch 8, without dp and the ceiling; the DDP rows
-under torchrun with 1 process): runs end to end and writes a complete bench.json, every training row and the limit
-timed the same way. No speed is asserted (the machine may be shared). (The all-reduce counts of accumulation are
-proven by tests/proofs/test_ddp.py, from --profile.)"""
+"""bash run.sh bench 1 --tiny (one repetition at a 32-pixel crop, batch 8, without dp, the ceiling and amp's limit;
+the DDP rows under torchrun with 1 process): runs end to end and writes a complete bench.json, every training row and
+the limit timed the same way. No speed is asserted (the machine may be shared). (The all-reduce counts of accumulation
+are proven by tests/proofs/test_ddp.py, from --profile.)"""
 
 import json
 import math
 import sys
 
-from support import REPO, cpu_env, run
-
-sys.path.insert(0, str(REPO))
-import dist_utils  # noqa: E402
+import bench
+import dist_utils
+from support import cpu_env, run
 
 FIGURES = [
     "compute_limit_img_s",
@@ -77,8 +76,6 @@ def test_tiny_bench_writes_every_figure(tmp_path):
 def test_each_target_is_judged_against_a_limit_of_the_same_run():
     """Each verdict from the run's own figures: a ratio to its limit whose median meets the target is met; one that
     only some repetitions meet is within noise, with their range; one that none meets is missed."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import bench
 
     def rows(*rates):
         return [{"img_s": rate} for rate in rates]
