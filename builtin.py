@@ -2,6 +2,7 @@
 (--data-path, or the generated demo data) read as uint8 tensors with their augmentation, and torchvision's ResNet
 with its ImageNet weights (--model, --weights, --freeze). Yours replace them; then this file is not needed."""
 
+import argparse
 import contextlib
 import gc
 import math
@@ -48,8 +49,9 @@ def add_arguments(parser):
     """The built-in task's flags: the image folders' and the ResNet's."""
     parser.add_argument(
         "--data-path",
+        action=DataPath,
         help="folder of class sub-folders, or of train/ and val/ class folders "
-        "(default: the built-in demo data, generated into data/demo on first use)",
+        "(default: the built-in demo data, generated into data/demo on first use); with it, --epochs defaults to 30",
     )
     parser.add_argument("--img-size", type=int, help="training crop size (default: 64 on the demo data, 224 otherwise)")
     parser.add_argument(
@@ -69,7 +71,19 @@ def add_arguments(parser):
         action="store_true",
         help="train only the classifier head; backbone frozen and its BatchNorm in eval mode",
     )
-    parser.set_defaults(epochs=12)  # the demo's, and a fine-tuning's from --weights
+    # The demo's epochs. A default given as a string is converted (by type=int) only where the flag was not given:
+    # DataPath tells the two apart, and makes it 30 for a folder of yours.
+    parser.set_defaults(epochs="12")
+
+
+class DataPath(argparse.Action):
+    """--data-path: also --epochs 30 where --epochs is not given (before or after it): photos take longer to learn
+    than the demo's textures (docs/data.md)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.data_path = value
+        if isinstance(namespace.epochs, str):  # still the default: --epochs not given so far
+            namespace.epochs = 30
 
 
 def datasets(args):

@@ -156,6 +156,29 @@ def same_on_every_rank(classes, train_set, val_set, resume_point):
                 )
 
 
+def check_replicas(model):
+    """End the job in one line where the processes' weights have drifted apart, which DDP never does by itself: a
+    parameter's requires_grad changed after the DDP(...) line (DDP then leaves its gradients unsynchronised), or
+    code that differs by rank. One all-reduce of two figures per parameter (the sums of |w| and of w^2, sums with
+    no cancellation, so another summation order moves them by rounding only)."""
+    names, figures = [], []
+    for name, parameter in model.named_parameters():
+        weights = parameter.detach().float()
+        names.append(name)
+        figures += [weights.abs().sum(), weights.square().sum()]
+    figures = torch.stack(figures)
+    extremes = torch.cat([figures, -figures])  # their highest and lowest over the ranks, in one all-reduce
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    highest, lowest = extremes[: len(figures)], -extremes[len(figures) :]
+    apart = sorted({i // 2 for i in (highest - lowest > 1e-5 * highest.abs()).nonzero().flatten().tolist()})
+    if apart:
+        raise UsageError(
+            f"the processes' weights have drifted apart ({len(apart)} of {len(names)} parameters differ, the first "
+            f"{names[apart[0]]}): a parameter's requires_grad changed after the DDP(...) line (say which parameters "
+            f"train in set_trainable(), in the task block), or code that differs by rank changed the weights"
+        )
+
+
 def claim_output_dir(output_dir):
     """utils.claim_output_dir() by global rank 0, its outcome told to every rank: a second job into the folder, or a
     folder that cannot be written, ends every rank alike, in one line from one of them."""

@@ -1,5 +1,6 @@
 """Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints read without running code from
-them, the bytes each rank's shards hold, and the process group let go of at once on every exit."""
+them, the bytes each rank's shards hold, an EMA updated shard by shard, and the process group let go of at once on
+every exit."""
 
 import contextlib
 import gc
@@ -35,6 +36,16 @@ def release_meshes():
         with contextlib.suppress(Exception):  # a private attribute (torch 2.14, device_mesh.py): best effort
             mesh._pg_registry.clear()
     gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
+
+
+def update_average(averaged, model):
+    """averaged.update_parameters(model) (torch's AveragedModel) where both are sharded: each rank updates its own
+    shards. Their parameters are DTensors and their buffers plain tensors, which one foreach op refuses to mix unless
+    the plain ones count as replicated (implicit_replication)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        averaged.update_parameters(model)
 
 
 def shard_bytes(model, optimizer):

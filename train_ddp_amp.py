@@ -1,6 +1,6 @@
 """Train a torchvision ResNet image classifier with DistributedDataParallel and mixed precision, under torchrun.
 
-train_ddp_torchrun.py plus torch.autocast, bf16 (CPUs, recent GPUs) or fp16 with a GradScaler (CUDA), and --clip-grad:
+train_ddp_torchrun.py plus torch.autocast, bf16 (CPUs, recent GPUs) or fp16 with a GradScaler (CUDA), and --compile:
     torchrun --standalone --nproc-per-node=2 train_ddp_amp.py --amp-dtype bf16
 Stopped by a signal, plain torchrun prints its own report last and exits 1; bash run.sh ends with the ranks' line
 and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
@@ -22,9 +22,9 @@ import utils
 
 
 # ------------------------------------------------------------------------------------------------ your task
-# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics. Nothing below this block names
-# our task, and the block is the same in every train_*.py (docs/adapting.md: multi-label, segmentation, regression,
-# a ViT with AdamW).
+# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics, and how a batch is made and
+# reaches the model. The block is the same in every train_*.py, and the code below it takes any task:
+# docs/adapting.md has text, detection, streams, an EMA, a model with its own loss, fine-tuning in two stages.
 
 
 def add_task_arguments(parser):
@@ -35,13 +35,34 @@ def add_task_arguments(parser):
 
 
 def build_datasets(args):
-    """Your data goes here: (training set, validation set, names). Any map-style Dataset of (input tensor, target)
-    items works: uint8 images are normalised on the device, float inputs used as given; the training set's random
-    augmentation is seeded per sample (utils.SeededItems). names: one per model output (class names; label names for
-    multi-label; what is predicted, for regression)."""
+    """Your data goes here: (training set, validation set, names). A map-style Dataset (len and [index]) or a stream
+    (an IterableDataset with len, read in order) of (input, target) items; the training set's random augmentation is
+    seeded per sample (utils.SeededItems). names: one per model output (class names; label names for multi-label;
+    what is predicted, for regression)."""
     import builtin
 
     return builtin.datasets(args)
+
+
+def input_problem(inputs):
+    """What is wrong with a dataset's input, or None: checked on the first item of each set before training. Ours:
+    an image tensor (C, H, W), uint8 (run_model() normalises it) or floating point (used as it is)."""
+    return utils.image_problem(inputs)
+
+
+def target_problem(target, names):
+    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
+    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
+        target = target.item()
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
+        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
+    return None
+
+
+def collate(items):
+    """A batch from a list of items, made in the loader's workers. It reaches the device as it is: tensors, or
+    tuples, lists and dicts of them. Ours: torch's default, which stacks tensors of one size."""
+    return torch.utils.data.default_collate(items)
 
 
 def build_model(args, num_outputs):
@@ -52,10 +73,28 @@ def build_model(args, num_outputs):
     return builtin.resnet(args.model, num_outputs, args.weights, args.freeze)
 
 
+def run_model(model, inputs, targets):
+    """How a batch, on the device, reaches the model; what it returns goes to compute_loss() and Metrics. Ours:
+    uint8 images normalised here, a whole batch at once, then model(inputs)."""
+    return model(utils.normalize(inputs))
+
+
+def set_trainable(args, model, epoch):
+    """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
+    wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
+
+
+def build_ema(args, model):
+    """An average of the weights, updated after each optimizer step and evaluated beside them (its metrics named
+    ema_<name>; Metrics.best may name one), or None. Ours: none; e.g. torch.optim.swa_utils.AveragedModel."""
+    return None
+
+
 def build_optimizer(args, model, lr):
     """--opt sgd: SGD with momentum and weight decay on every parameter (torchvision's classification recipe).
     --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes).
-    lr: this run's, for its global batch; a group given an LR of its own keeps it, and the schedule scales both."""
+    model: yours, unwrapped, in every script. lr: this run's, for its global batch; a group given an LR of its own
+    keeps it, and the schedule scales both."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if args.opt == "sgd":
         return torch.optim.SGD([p for _, p in trained], lr=lr, momentum=0.9, weight_decay=args.weight_decay)
@@ -71,20 +110,18 @@ def build_optimizer(args, model, lr):
     return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
 
 
+def lr_schedule(args, steps_per_epoch):
+    """The LR factor of each optimizer step (counted from 0 over the whole run), which multiplies every group's LR.
+    Ours: linear warm-up over 5 % of the steps, then cosine decay to 0."""
+    return utils.warmup_cosine(args.epochs * steps_per_epoch)
+
+
 def compute_loss(outputs, targets):
-    """The training loss: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
-    auxiliary outputs added at 0.4 each (as GoogLeNet's and Inception's training, and torchvision's segmentation)."""
+    """The loss of a batch: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
+    auxiliary outputs added at 0.4 each (as PyTorch's fine-tuning tutorial trains Inception v3). None: these
+    outputs hold no loss (a detection model's in evaluation); the validation loss counts the batches that have one."""
     main, auxiliary = utils.split_outputs(outputs)
     return F.cross_entropy(main, targets) + sum(0.4 * F.cross_entropy(aux, targets) for aux in auxiliary)
-
-
-def target_problem(target, names):
-    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
-    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
-        target = target.item()
-    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
-        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
-    return None
 
 
 class Metrics:
@@ -146,7 +183,8 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
-    utils.check_datasets(train_set, val_set, classes, target_problem)  # else one line now, not in the loader
+    # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
+    train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
     pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
@@ -155,6 +193,7 @@ def main(args):
         utils.SeededItems(train_set, args.seed),
         args.batch_size,
         sampler=utils.EpochSampler(train_sampler),
+        collate_fn=collate,
         num_workers=args.workers,
         drop_last=True,
         pin_memory=pin,
@@ -168,6 +207,7 @@ def main(args):
     val_loader = DataLoader(
         val_slice,
         args.batch_size,
+        collate_fn=utils.Counted(collate),  # (samples, batch): the loss and count weigh samples
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
@@ -186,6 +226,20 @@ def main(args):
     with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
+    ema = build_ema(args, model)  # an average of the weights, or None
+    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
+    global_batch = args.batch_size * world_size * args.accum_steps
+    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
+    best = None  # the best value of the metric that best.pt follows
+    checkpoint = utils.load_checkpoint(resume, classes) if resume else None
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        if ema is not None and checkpoint.get("ema"):
+            ema.load_state_dict(checkpoint["ema"])
+        if not args.test_only:
+            position.load_state_dict(checkpoint)
+            best = checkpoint["best"]
+    set_trainable(args, model, position.epoch)  # the parameters that train in the epoch it starts in
     if args.sync_bn and device.type != "cpu" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -202,27 +256,18 @@ def main(args):
         model = torch.compile(model)  # all-reduces still overlap the backward; model.module stays plain (see docs)
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
-    global_batch = args.batch_size * world_size * args.accum_steps
     lr = args.lr * global_batch / 256
-    optimizer = build_optimizer(args, model, lr)
+    optimizer = build_optimizer(args, model.module, lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
-    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
+    schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     # fp16 has a narrow range: scale the loss up so small gradients do not flush to zero. bf16 needs no scaler.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-
-    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
-    best = None  # the best value of the metric that best.pt follows
     resumed = ""
-    if resume:
-        checkpoint = utils.load_checkpoint(resume, classes)
-        model.module.load_state_dict(checkpoint["model"])
-        if not args.test_only:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            if checkpoint.get("scaler"):  # else (bf16, or a checkpoint of the torchrun rung) a fresh scaler
-                scaler.load_state_dict(checkpoint["scaler"])
-            position.load_state_dict(checkpoint)
-            best = checkpoint["best"]
-            resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
+    if checkpoint and not args.test_only:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint.get("scaler"):  # else (bf16, or a checkpoint of the torchrun rung) a fresh scaler
+            scaler.load_state_dict(checkpoint["scaler"])
+        resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
     dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
@@ -237,7 +282,7 @@ def main(args):
         )
 
     if args.test_only:
-        metrics = evaluate(model.module, val_loader, device, classes)
+        metrics = evaluate(model.module, ema, val_loader, device, classes)
         if rank == 0:
             utils.report_test(output_dir, resume, metrics)
         return
@@ -245,6 +290,7 @@ def main(args):
     def save(is_best=False):
         checkpoint = {
             "model": model.module.state_dict(),
+            "ema": None if ema is None else ema.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(),
             **position.state_dict(),  # epoch, samples done, global batch
@@ -291,24 +337,25 @@ def main(args):
             if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
                 stop_here()
             utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
-            inputs = utils.normalize(inputs.to(device, non_blocking=True))
-            targets = targets.to(device, non_blocking=True)
+            inputs, targets = utils.to_device((inputs, targets), device)
             # Accumulate: all-reduce only on the last micro-step; no_sync() keeps the other gradients local.
             with contextlib.nullcontext() if last_micro else model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype):  # the forward pass and the loss only
-                    loss = compute_loss(model(inputs), targets) / args.accum_steps
+                    loss = compute_loss(run_model(model, inputs, targets), targets) / args.accum_steps
                 scaler.scale(loss).backward()
             if not last_micro:
                 continue
-            for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
-                group["lr"] = base_lr * schedule(position.global_step)
             # Clip the true gradients: unscale them first (a no-op for bf16), then clip, then step.
             scaler.unscale_(optimizer)
-            if args.clip_grad:
+            if args.clip_grad:  # the norm of the whole gradient
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
+                group["lr"] = base_lr * schedule(position.global_step)
             scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update_parameters(model.module)
             position.advance()  # a global batch more of the epoch's samples done
             log.step(step, position.global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
             profiler.step()
@@ -316,21 +363,28 @@ def main(args):
             if rank == 0 and saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
                 save()
 
-        metrics = evaluate(model.module, val_loader, device, classes, stop)
+        metrics = evaluate(model.module, ema, val_loader, device, classes, stop)
         if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
             stop_here()
         log.end_epoch(position.global_step, metrics)
-        is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
+        is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
         if is_best:
             best = metrics[Metrics.best]
         position.end_epoch()  # the next epoch starts at its first sample
+        if utils.new_stage(set_trainable, args, model.module, position.epoch):  # other parameters train from now:
+            # DDP syncs the gradients of those that trained when it wrapped the model: wrap it anew
+            model = DDP(model.module, device_ids=None if device.type == "cpu" else [device.index])
+            if args.compile:
+                model = torch.compile(model)
+            optimizer = build_optimizer(args, model.module, lr)
+            base_lrs = [group["lr"] for group in optimizer.param_groups]
         if rank == 0:
             save(is_best)
     log.close()
     profiler.close()
 
     if metrics is None:  # the checkpoint had finished training already
-        metrics = evaluate(model.module, val_loader, device, classes)
+        metrics = evaluate(model.module, ema, val_loader, device, classes)
     if rank > 0:
         return
     key = Metrics.best
@@ -355,8 +409,10 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, names, stop=None):
-    """The loss and the task's metrics over every validation sample exactly once."""
+def evaluate(model, ema, loader, device, names, stop=None):
+    """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
+    dist_utils.check_replicas(model)  # weights drifted apart (requires_grad changed after DDP(...)): one line
+    averaged = {} if ema is None else evaluate(ema, None, loader, device, names, stop)
     # The unwrapped model: a DDP forward would sync buffers while the ranks run different numbers of batches. DDP
     # copies rank 0's buffers only at a training forward, so each rank's BatchNorm statistics are from its own last
     # batch: evaluate every slice with rank 0's, the ones it saves.
@@ -365,19 +421,23 @@ def evaluate(model, loader, device, names, stop=None):
     model.eval()
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    for inputs, targets in utils.start_workers(loader):
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
+    for samples, (inputs, targets) in utils.start_workers(loader):
         if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
             break
-        inputs = utils.normalize(inputs.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
-        outputs = model(inputs)
-        loss_sum += compute_loss(outputs, targets).double() * len(targets)
-        count += len(targets)
+        inputs, targets = utils.to_device((inputs, targets), device)
+        outputs = run_model(model, inputs, targets)
+        loss = compute_loss(outputs, targets)
+        if loss is not None:  # (None: a detection model's outputs in evaluation)
+            loss_sum += loss.double() * samples
+            counts[1] += samples
+        counts[0] += samples
         metrics.update(outputs, targets)
-    for total in (loss_sum, count, *metrics.sums.values()):  # sums of the ranks' sums
+    for total in (loss_sum, counts, *metrics.sums.values()):  # sums of the ranks' sums
         dist.all_reduce(total)
-    return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
+    count, counted = counts.tolist()
+    metrics = {"loss": loss_sum.item() / counted if counted else None, "count": count, **metrics.compute()}
+    return metrics | {f"ema_{name}": value for name, value in averaged.items()}
 
 
 if __name__ == "__main__":
@@ -392,7 +452,6 @@ if __name__ == "__main__":
         help="seconds a collective waits for a missing rank before the job fails instead of hanging",
     )
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), help="default bf16; fp16: CUDA, with a GradScaler")
-    parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model (slow first step)")
     with dist_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())

@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,9 +35,9 @@ import utils
 
 
 # ------------------------------------------------------------------------------------------------ your task
-# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics. Nothing below this block names
-# our task, and the block is the same in every train_*.py (docs/adapting.md: multi-label, segmentation, regression,
-# a ViT with AdamW).
+# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics, and how a batch is made and
+# reaches the model. The block is the same in every train_*.py, and the code below it takes any task:
+# docs/adapting.md has text, detection, streams, an EMA, a model with its own loss, fine-tuning in two stages.
 
 
 def add_task_arguments(parser):
@@ -49,13 +48,34 @@ def add_task_arguments(parser):
 
 
 def build_datasets(args):
-    """Your data goes here: (training set, validation set, names). Any map-style Dataset of (input tensor, target)
-    items works: uint8 images are normalised on the device, float inputs used as given; the training set's random
-    augmentation is seeded per sample (utils.SeededItems). names: one per model output (class names; label names for
-    multi-label; what is predicted, for regression)."""
+    """Your data goes here: (training set, validation set, names). A map-style Dataset (len and [index]) or a stream
+    (an IterableDataset with len, read in order) of (input, target) items; the training set's random augmentation is
+    seeded per sample (utils.SeededItems). names: one per model output (class names; label names for multi-label;
+    what is predicted, for regression)."""
     import builtin
 
     return builtin.datasets(args)
+
+
+def input_problem(inputs):
+    """What is wrong with a dataset's input, or None: checked on the first item of each set before training. Ours:
+    an image tensor (C, H, W), uint8 (run_model() normalises it) or floating point (used as it is)."""
+    return utils.image_problem(inputs)
+
+
+def target_problem(target, names):
+    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
+    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
+        target = target.item()
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
+        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
+    return None
+
+
+def collate(items):
+    """A batch from a list of items, made in the loader's workers. It reaches the device as it is: tensors, or
+    tuples, lists and dicts of them. Ours: torch's default, which stacks tensors of one size."""
+    return torch.utils.data.default_collate(items)
 
 
 def build_model(args, num_outputs):
@@ -66,10 +86,28 @@ def build_model(args, num_outputs):
     return builtin.resnet(args.model, num_outputs, args.weights, args.freeze)
 
 
+def run_model(model, inputs, targets):
+    """How a batch, on the device, reaches the model; what it returns goes to compute_loss() and Metrics. Ours:
+    uint8 images normalised here, a whole batch at once, then model(inputs)."""
+    return model(utils.normalize(inputs))
+
+
+def set_trainable(args, model, epoch):
+    """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
+    wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
+
+
+def build_ema(args, model):
+    """An average of the weights, updated after each optimizer step and evaluated beside them (its metrics named
+    ema_<name>; Metrics.best may name one), or None. Ours: none; e.g. torch.optim.swa_utils.AveragedModel."""
+    return None
+
+
 def build_optimizer(args, model, lr):
     """--opt sgd: SGD with momentum and weight decay on every parameter (torchvision's classification recipe).
     --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes).
-    lr: this run's, for its global batch; a group given an LR of its own keeps it, and the schedule scales both."""
+    model: yours, unwrapped, in every script. lr: this run's, for its global batch; a group given an LR of its own
+    keeps it, and the schedule scales both."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if args.opt == "sgd":
         return torch.optim.SGD([p for _, p in trained], lr=lr, momentum=0.9, weight_decay=args.weight_decay)
@@ -85,20 +123,18 @@ def build_optimizer(args, model, lr):
     return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
 
 
+def lr_schedule(args, steps_per_epoch):
+    """The LR factor of each optimizer step (counted from 0 over the whole run), which multiplies every group's LR.
+    Ours: linear warm-up over 5 % of the steps, then cosine decay to 0."""
+    return utils.warmup_cosine(args.epochs * steps_per_epoch)
+
+
 def compute_loss(outputs, targets):
-    """The training loss: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
-    auxiliary outputs added at 0.4 each (as GoogLeNet's and Inception's training, and torchvision's segmentation)."""
+    """The loss of a batch: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
+    auxiliary outputs added at 0.4 each (as PyTorch's fine-tuning tutorial trains Inception v3). None: these
+    outputs hold no loss (a detection model's in evaluation); the validation loss counts the batches that have one."""
     main, auxiliary = utils.split_outputs(outputs)
     return F.cross_entropy(main, targets) + sum(0.4 * F.cross_entropy(aux, targets) for aux in auxiliary)
-
-
-def target_problem(target, names):
-    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
-    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
-        target = target.item()
-    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
-        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
-    return None
 
 
 class Metrics:
@@ -159,7 +195,8 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
-    utils.check_datasets(train_set, val_set, classes, target_problem)  # else one line now, not in the loader
+    # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
+    train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
     pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
@@ -168,6 +205,7 @@ def main(args):
         utils.SeededItems(train_set, args.seed),
         args.batch_size,
         sampler=utils.EpochSampler(train_sampler),
+        collate_fn=collate,
         num_workers=args.workers,
         drop_last=True,
         pin_memory=pin,
@@ -181,6 +219,7 @@ def main(args):
     val_loader = DataLoader(
         val_slice,
         args.batch_size,
+        collate_fn=utils.Counted(collate),  # (samples, batch): the loss and count weigh samples
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
@@ -199,6 +238,20 @@ def main(args):
     with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
+    ema = build_ema(args, model)  # an average of the weights, or None
+    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
+    global_batch = args.batch_size * world_size * args.accum_steps
+    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
+    best = None  # the best value of the metric that best.pt follows
+    checkpoint = utils.load_checkpoint(resume, classes) if resume else None
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        if ema is not None and checkpoint.get("ema"):
+            ema.load_state_dict(checkpoint["ema"])
+        if not args.test_only:
+            position.load_state_dict(checkpoint)
+            best = checkpoint["best"]
+    set_trainable(args, model, position.epoch)  # the parameters that train in the epoch it starts in
     if args.sync_bn and device.type != "cpu" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -211,55 +264,46 @@ def main(args):
     # just before it runs and frees it after; gradients are reduce-scattered, each rank receiving its shard's. Unlike
     # DDP nothing is copied from rank 0: every rank built the same weights (same seed). The parameters are DTensors
     # then: the optimizer keeps its state (momentum) for the local shards only.
-    # The units: a ResNet's residual blocks, else each child module of the model that holds parameters. A unit is
-    # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
-    units = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
-    if not units:  # another model: each child module that holds parameters
-        units = [child for child in model.children() if list(child.parameters())]
     # --amp-dtype bf16: weights gathered and computed in bf16, gradients reduced in fp32. BatchNorm stays in fp32 (its
     # statistics need the precision): each BatchNorm a unit of its own, its output cast back to bf16 for the next layer.
     bf16 = dist_utils.autocast_dtype(args.amp_dtype, device) if args.amp_dtype else None  # one line if it would crawl
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 and torch.float32)
-    batchnorms = [m for m in model.modules() if bf16 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     # --hsdp R: R replicas, each sharded over world_size / R processes (replicate across nodes, shard within one)
     if args.hsdp and world_size % args.hsdp:
         raise utils.UsageError(f"--hsdp {args.hsdp} does not divide the {world_size} processes into replicas")
     shape = (args.hsdp, world_size // args.hsdp) if args.hsdp else (world_size,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
-    for unit in batchnorms + units:  # ZeRO-3 frees a unit's gathered weights after its forward; ZeRO-2 keeps them
-        fully_shard(
-            unit,
-            mesh=mesh,
-            reshard_after_forward=args.reshard_after_forward,
-            mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=bf16) if unit in batchnorms else policy,
-        )
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in [model] if ema is None else [model, ema.module]:  # an EMA's copy alike: it updates shard by shard
+        # The units: a ResNet's residual blocks, else each child module of the model that holds parameters. A unit is
+        # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
+        units = [m for m in module.modules() if isinstance(m, (BasicBlock, Bottleneck))]
+        if not units:  # another model: each child module that holds parameters
+            units = [child for child in module.children() if list(child.parameters())]
+        batchnorms = [m for m in module.modules() if bf16 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        for unit in batchnorms + units:  # ZeRO-3 frees a unit's gathered weights after its forward; ZeRO-2 keeps them
+            fully_shard(
+                unit,
+                mesh=mesh,
+                reshard_after_forward=args.reshard_after_forward,
+                mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=bf16) if unit in batchnorms else policy,
+            )
+        fully_shard(module, mesh=mesh, mp_policy=policy)
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
-    global_batch = args.batch_size * world_size * args.accum_steps
     lr = args.lr * global_batch / 256
     optimizer = build_optimizer(args, model, lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
-    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
-
-    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
-    best = None  # the best value of the metric that best.pt follows
+    schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     resumed = ""
-    if resume:
-        checkpoint = utils.load_checkpoint(resume, classes)
+    if checkpoint and not args.test_only:  # each rank reads the pieces of its own shards, whatever wrote them
         sharded = checkpoint["optimizer"]  # our last.pt names the folder of its shards (other scripts': the state)
-        if args.test_only:  # the plain weights, from any script: each rank keeps its shard of them
-            set_model_state_dict(model, checkpoint["model"], options=StateDictOptions(full_state_dict=True))
-        elif not isinstance(sharded, str) or not (resume.parent / sharded).is_dir():  # another script's, or best.pt
+        if not isinstance(sharded, str) or not (resume.parent / sharded).is_dir():  # another script's, or best.pt
             raise utils.UsageError(f"--resume {resume}: no sharded state beside it; use a last.pt, or --weights")
-        else:  # each rank reads the pieces of its own shards, whatever the number of processes that wrote them
-            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            reader = fsdp_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
-            dcp.load(state, storage_reader=reader, planner=reader.planner)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-            position.load_state_dict(checkpoint)
-            best = checkpoint["best"]
-            resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
+        state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+        reader = fsdp_utils.sharded_checkpoint(resume.parent, sharded)  # torch's own reader could run code from it
+        dcp.load(state, storage_reader=reader, planner=reader.planner)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
     dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
@@ -274,7 +318,7 @@ def main(args):
         )
 
     if args.test_only:
-        metrics = evaluate(model, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes)
         if rank == 0:
             utils.report_test(output_dir, resume, metrics)
         return
@@ -287,11 +331,14 @@ def main(args):
         folder = [output_dir / f"last-step{position.global_step}-{time.time_ns()}.dcp"]
         dist.broadcast_object_list(folder, src=0)  # rank 0's name
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id=folder[0])
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(model, options=whole)
+        full_ema = None if ema is None else get_model_state_dict(ema, options=whole)
         if rank > 0:
             return
         checkpoint = {
             "model": full,
+            "ema": full_ema,
             "optimizer": folder[0].name,
             **position.state_dict(),  # epoch, samples done, global batch
             "best": best,
@@ -339,21 +386,22 @@ def main(args):
             if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
                 stop_here()
             utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
-            inputs = utils.normalize(inputs.to(device, non_blocking=True))
-            targets = targets.to(device, non_blocking=True)
+            inputs, targets = utils.to_device((inputs, targets), device)
             # Accumulate: reduce-scatter only on the last micro-step; before it, each rank sums its full gradients.
             model.set_requires_gradient_sync(last_micro)
-            loss = compute_loss(model(inputs), targets) / args.accum_steps
+            loss = compute_loss(run_model(model, inputs, targets), targets) / args.accum_steps
             loss.backward()
             if not last_micro:
                 continue
-            for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
-                group["lr"] = base_lr * schedule(position.global_step)
             if args.clip_grad:  # the norm of the whole gradient: every rank's shards (DTensors) count
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
+                group["lr"] = base_lr * schedule(position.global_step)
             optimizer.step()
             memory = memory or fsdp_utils.shard_bytes(model, optimizer)  # what sharding saves, after the first step
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                fsdp_utils.update_average(ema, model)  # shard by shard
             position.advance()  # a global batch more of the epoch's samples done
             log.step(step, position.global_step, loss * args.accum_steps, optimizer.param_groups[0]["lr"])
             profiler.step()
@@ -361,20 +409,24 @@ def main(args):
             if saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
                 save()
 
-        metrics = evaluate(model, val_loader, device, classes, stop)
+        metrics = evaluate(model, ema, val_loader, device, classes, stop)
         if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
             stop_here()
         log.end_epoch(position.global_step, metrics)
-        is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
+        is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
         if is_best:
             best = metrics[Metrics.best]
         position.end_epoch()  # the next epoch starts at its first sample
+        if utils.new_stage(set_trainable, args, model, position.epoch):  # other parameters train from now: FSDP
+            # reduce-scatters the gradients of those that require one at each step, so the sharding stays
+            optimizer = build_optimizer(args, model, lr)
+            base_lrs = [group["lr"] for group in optimizer.param_groups]
         save(is_best)
     log.close()
     profiler.close()
 
     if metrics is None:  # the checkpoint had finished training already
-        metrics = evaluate(model, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes)
     if rank > 0:
         return
     key = Metrics.best
@@ -401,35 +453,41 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, names, stop=None):
-    """The loss and the task's metrics over every validation sample exactly once."""
+def evaluate(model, ema, loader, device, names, stop=None):
+    """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
+    averaged = {} if ema is None else evaluate(ema, None, loader, device, names, stop)
     # FSDP never syncs buffers: evaluate every slice with rank 0's BatchNorm statistics. Every forward all-gathers
-    # weights, so all ranks run as many as the one with the most batches (empty when done), or stop early together.
+    # weights, so all ranks run as many as the one with the most batches, or stop early together.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     model.eval()
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    batches, inputs, targets = utils.start_workers(loader), None, None
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
+    batches, last = utils.start_workers(loader), None
     while True:
         batch = next(batches, None)
         more = torch.tensor([batch is not None, bool(stop)], dtype=torch.int64, device=device)  # ints: any backend
         dist.all_reduce(more, op=dist.ReduceOp.MAX)
         if not more[0] or more[1]:
             break
-        inputs, targets = batch or (inputs[:0], targets[:0])  # done: nothing (every rank has had one batch at least)
-        inputs = utils.normalize(inputs.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
-        outputs = model(inputs)
-        if batch is None:  # the empty forward pass: it only took part in the all-gathers
+        samples, (inputs, targets) = batch or last  # done: its last batch again (every rank has had one at least)
+        inputs, targets = utils.to_device((inputs, targets), device)
+        outputs = run_model(model, inputs, targets)
+        if batch is None:  # that forward pass only took part in the all-gathers
             continue
-        loss_sum += compute_loss(outputs, targets).double() * len(targets)
-        count += len(targets)
+        last = batch
+        loss = compute_loss(outputs, targets)
+        if loss is not None:  # (None: a detection model's outputs in evaluation)
+            loss_sum += loss.double() * samples
+            counts[1] += samples
+        counts[0] += samples
         metrics.update(outputs, targets)
-    for total in (loss_sum, count, *metrics.sums.values()):  # sums of the ranks' sums
+    for total in (loss_sum, counts, *metrics.sums.values()):  # sums of the ranks' sums
         dist.all_reduce(total)
-    return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
+    count, counted = counts.tolist()
+    metrics = {"loss": loss_sum.item() / counted if counted else None, "count": count, **metrics.compute()}
+    return metrics | {f"ema_{name}": value for name, value in averaged.items()}
 
 
 if __name__ == "__main__":
@@ -451,7 +509,6 @@ if __name__ == "__main__":
         help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)",
     )
     parser.add_argument("--hsdp", type=int, default=0, metavar="R", help="HSDP: R replicas, each sharded over N/R")
-    parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     with fsdp_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())
         dist.destroy_process_group()  # (one_line_errors() also does, on any exit, and lets FSDP's meshes go)

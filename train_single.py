@@ -15,9 +15,9 @@ import utils
 
 
 # ------------------------------------------------------------------------------------------------ your task
-# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics. Nothing below this block names
-# our task, and the block is the same in every train_*.py (docs/adapting.md: multi-label, segmentation, regression,
-# a ViT with AdamW).
+# What a copier replaces: the task's flags, data, model, optimizer, loss and metrics, and how a batch is made and
+# reaches the model. The block is the same in every train_*.py, and the code below it takes any task:
+# docs/adapting.md has text, detection, streams, an EMA, a model with its own loss, fine-tuning in two stages.
 
 
 def add_task_arguments(parser):
@@ -28,13 +28,34 @@ def add_task_arguments(parser):
 
 
 def build_datasets(args):
-    """Your data goes here: (training set, validation set, names). Any map-style Dataset of (input tensor, target)
-    items works: uint8 images are normalised on the device, float inputs used as given; the training set's random
-    augmentation is seeded per sample (utils.SeededItems). names: one per model output (class names; label names for
-    multi-label; what is predicted, for regression)."""
+    """Your data goes here: (training set, validation set, names). A map-style Dataset (len and [index]) or a stream
+    (an IterableDataset with len, read in order) of (input, target) items; the training set's random augmentation is
+    seeded per sample (utils.SeededItems). names: one per model output (class names; label names for multi-label;
+    what is predicted, for regression)."""
     import builtin
 
     return builtin.datasets(args)
+
+
+def input_problem(inputs):
+    """What is wrong with a dataset's input, or None: checked on the first item of each set before training. Ours:
+    an image tensor (C, H, W), uint8 (run_model() normalises it) or floating point (used as it is)."""
+    return utils.image_problem(inputs)
+
+
+def target_problem(target, names):
+    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
+    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
+        target = target.item()
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
+        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
+    return None
+
+
+def collate(items):
+    """A batch from a list of items, made in the loader's workers. It reaches the device as it is: tensors, or
+    tuples, lists and dicts of them. Ours: torch's default, which stacks tensors of one size."""
+    return torch.utils.data.default_collate(items)
 
 
 def build_model(args, num_outputs):
@@ -45,10 +66,28 @@ def build_model(args, num_outputs):
     return builtin.resnet(args.model, num_outputs, args.weights, args.freeze)
 
 
+def run_model(model, inputs, targets):
+    """How a batch, on the device, reaches the model; what it returns goes to compute_loss() and Metrics. Ours:
+    uint8 images normalised here, a whole batch at once, then model(inputs)."""
+    return model(utils.normalize(inputs))
+
+
+def set_trainable(args, model, epoch):
+    """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
+    wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
+
+
+def build_ema(args, model):
+    """An average of the weights, updated after each optimizer step and evaluated beside them (its metrics named
+    ema_<name>; Metrics.best may name one), or None. Ours: none; e.g. torch.optim.swa_utils.AveragedModel."""
+    return None
+
+
 def build_optimizer(args, model, lr):
     """--opt sgd: SGD with momentum and weight decay on every parameter (torchvision's classification recipe).
     --opt adamw: AdamW, without weight decay on norms, biases, embeddings and tokens (its transformer recipes).
-    lr: this run's, for its global batch; a group given an LR of its own keeps it, and the schedule scales both."""
+    model: yours, unwrapped, in every script. lr: this run's, for its global batch; a group given an LR of its own
+    keeps it, and the schedule scales both."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if args.opt == "sgd":
         return torch.optim.SGD([p for _, p in trained], lr=lr, momentum=0.9, weight_decay=args.weight_decay)
@@ -64,20 +103,18 @@ def build_optimizer(args, model, lr):
     return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
 
 
+def lr_schedule(args, steps_per_epoch):
+    """The LR factor of each optimizer step (counted from 0 over the whole run), which multiplies every group's LR.
+    Ours: linear warm-up over 5 % of the steps, then cosine decay to 0."""
+    return utils.warmup_cosine(args.epochs * steps_per_epoch)
+
+
 def compute_loss(outputs, targets):
-    """The training loss: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
-    auxiliary outputs added at 0.4 each (as GoogLeNet's and Inception's training, and torchvision's segmentation)."""
+    """The loss of a batch: cross-entropy over the classes (per pixel for (N, C, H, W) outputs and (N, H, W) targets),
+    auxiliary outputs added at 0.4 each (as PyTorch's fine-tuning tutorial trains Inception v3). None: these
+    outputs hold no loss (a detection model's in evaluation); the validation loss counts the batches that have one."""
     main, auxiliary = utils.split_outputs(outputs)
     return F.cross_entropy(main, targets) + sum(0.4 * F.cross_entropy(aux, targets) for aux in auxiliary)
-
-
-def target_problem(target, names):
-    """What is wrong with a dataset's target, or None: checked on the first item of each set before training."""
-    if getattr(target, "ndim", None) == 0:  # a 0-d tensor, or a numpy number
-        target = target.item()
-    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < len(names):
-        return f"{target!r}: a label is an int from 0 to {len(names) - 1}, the index of its class name"
-    return None
 
 
 class Metrics:
@@ -119,7 +156,8 @@ def main(args):
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
-    utils.check_datasets(train_set, val_set, classes, target_problem)  # else one line now, not in the loader
+    # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
+    train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
     pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
@@ -127,6 +165,7 @@ def main(args):
         utils.SeededItems(train_set, args.seed),
         args.batch_size,
         sampler=utils.EpochSampler(train_sampler),
+        collate_fn=collate,
         num_workers=args.workers,
         drop_last=True,
         pin_memory=pin,
@@ -137,6 +176,7 @@ def main(args):
     val_loader = DataLoader(
         val_set,
         args.batch_size,
+        collate_fn=utils.Counted(collate),  # (samples, batch): the loss and count weigh samples
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
@@ -153,25 +193,30 @@ def main(args):
     torch.manual_seed(args.seed)
     model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
+    ema = build_ema(args, model)  # an average of the weights, or None
+    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
+    global_batch = args.batch_size
+    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
+    best = None  # the best value of the metric that best.pt follows
+    checkpoint = utils.load_checkpoint(resume, classes) if resume else None
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        if ema is not None and checkpoint.get("ema"):
+            ema.load_state_dict(checkpoint["ema"])
+        if not args.test_only:
+            position.load_state_dict(checkpoint)
+            best = checkpoint["best"]
+    set_trainable(args, model, position.epoch)  # the parameters that train in the epoch it starts in
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
-    global_batch = args.batch_size
     lr = args.lr * global_batch / 256
     optimizer = build_optimizer(args, model, lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
-    schedule = utils.warmup_cosine(args.epochs * steps_per_epoch)  # LR factor per optimizer step
-
-    position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
-    best = None  # the best value of the metric that best.pt follows
+    schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     resumed = ""
-    if resume:
-        checkpoint = utils.load_checkpoint(resume, classes)
-        model.load_state_dict(checkpoint["model"])
-        if not args.test_only:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            position.load_state_dict(checkpoint)
-            best = checkpoint["best"]
-            resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
+    if checkpoint and not args.test_only:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
     print(
@@ -182,13 +227,14 @@ def main(args):
     )
 
     if args.test_only:
-        metrics = evaluate(model, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes)
         utils.report_test(output_dir, resume, metrics)
         return
 
     def save(is_best=False):
         checkpoint = {
             "model": model.state_dict(),
+            "ema": None if ema is None else ema.state_dict(),
             "optimizer": optimizer.state_dict(),
             **position.state_dict(),  # epoch, samples done, global batch
             "best": best,
@@ -216,14 +262,17 @@ def main(args):
         log.start_epoch(epoch, position.step)
         for step, (inputs, targets) in enumerate(log.timed(train_loader), start=position.step):
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
-            inputs = utils.normalize(inputs.to(device, non_blocking=True))
-            targets = targets.to(device, non_blocking=True)
-            loss = compute_loss(model(inputs), targets)
+            inputs, targets = utils.to_device((inputs, targets), device)
+            loss = compute_loss(run_model(model, inputs, targets), targets)
             loss.backward()
+            if args.clip_grad:  # the norm of the whole gradient
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             for group, base_lr in zip(optimizer.param_groups, base_lrs):  # a function of the step alone
                 group["lr"] = base_lr * schedule(position.global_step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update_parameters(model)
             position.advance()  # a global batch more of the epoch's samples done
             log.step(step, position.global_step, loss, optimizer.param_groups[0]["lr"])
             profiler.step()
@@ -231,18 +280,21 @@ def main(args):
             if saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
                 save()
 
-        metrics = evaluate(model, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes)
         log.end_epoch(position.global_step, metrics)
-        is_best = utils.improved(metrics[Metrics.best], best, Metrics.higher_is_better)
+        is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
         if is_best:
             best = metrics[Metrics.best]
         position.end_epoch()  # the next epoch starts at its first sample
+        if utils.new_stage(set_trainable, args, model, position.epoch):  # other parameters train from now
+            optimizer = build_optimizer(args, model, lr)
+            base_lrs = [group["lr"] for group in optimizer.param_groups]
         save(is_best)
     log.close()
     profiler.close()
 
     if metrics is None:  # the checkpoint had finished training already
-        metrics = evaluate(model, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes)
     key = Metrics.best
     results = {
         f"best_{key}": best,
@@ -265,20 +317,25 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, names):
-    """The loss and the task's metrics over every validation sample exactly once."""
+def evaluate(model, ema, loader, device, names):
+    """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
+    averaged = {} if ema is None else evaluate(ema, None, loader, device, names)
     model.eval()
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    for inputs, targets in loader:
-        inputs = utils.normalize(inputs.to(device, non_blocking=True))
-        targets = targets.to(device, non_blocking=True)
-        outputs = model(inputs)
-        loss_sum += compute_loss(outputs, targets).double() * len(targets)
-        count += len(targets)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
+    for samples, (inputs, targets) in loader:
+        inputs, targets = utils.to_device((inputs, targets), device)
+        outputs = run_model(model, inputs, targets)
+        loss = compute_loss(outputs, targets)
+        if loss is not None:  # (None: a detection model's outputs in evaluation)
+            loss_sum += loss.double() * samples
+            counts[1] += samples
+        counts[0] += samples
         metrics.update(outputs, targets)
-    return {"loss": loss_sum.item() / max(1, count.item()), "count": count.item(), **metrics.compute()}
+    count, counted = counts.tolist()
+    metrics = {"loss": loss_sum.item() / counted if counted else None, "count": count, **metrics.compute()}
+    return metrics | {f"ema_{name}": value for name, value in averaged.items()}
 
 
 if __name__ == "__main__":

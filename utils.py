@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 # ImageNet's per-channel (RGB) mean and standard deviation, in 0-1
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
-DIVERGED_HINT = "lower --lr, or clip the gradients (train_ddp_amp.py --clip-grad; with fp16, try --amp-dtype bf16)"
+DIVERGED_HINT = "lower --lr, or clip the gradients (--clip-grad; with fp16, try --amp-dtype bf16)"
 
 
 class UsageError(Exception):
@@ -76,6 +76,7 @@ def get_args_parser(description):
         help="data loading processes per training process (default: "
         "with a GPU, the cores per process less one; on a CPU, 1)",
     )
+    parser.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
     parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
@@ -268,62 +269,177 @@ def normalize(images):
     return images.float().div_(255).sub_(mean).div_(std)  # in place: the same values, no temporary batches
 
 
-def check_datasets(train_set, val_set, names, target_problem):
+def check_datasets(train_set, val_set, names, input_problem, target_problem, collate):
     """build_datasets()'s result, checked before training: a wrong item would fail later, deep in the loader, on
-    every rank. target_problem(target, names): the script's check of what its task needs, None where it is fine."""
+    every rank. input_problem(input) and target_problem(target, names): the task block's checks, None where fine; its
+    collate() must batch the first two items. Returns (training set, validation set), a stream as a Stream."""
     if len(names) < 1:
         raise UsageError("build_datasets() returned no names: give one per model output (class names for a classifier)")
+    checked = []
     for name, dataset in (("training", train_set), ("validation", val_set)):
+        dataset = as_dataset(dataset, f"the {name} set")
         if len(dataset) == 0:
             raise UsageError(f"the {name} set is empty; add data, or check the data's path and split")
         item = dataset[0]
-        problem = item_problem(item)
+        problem = pair_problem(item)
+        if problem is None:
+            problem = input_problem(item[0])
+            problem = problem and f"({problem}, ...)"
         if problem is None:
             problem = target_problem(item[1], names)
             problem = problem and f"(input, {problem})"
         if problem:
-            raise UsageError(f"the {name} set's items must be (input tensor, target) pairs; its first is {problem}")
+            raise UsageError(f"the {name} set's items must be (input, target) pairs; its first is {problem}")
+        try:
+            collate([item, dataset[min(1, len(dataset) - 1)]])
+        except Exception as error:
+            raise UsageError(
+                f"collate() cannot batch the {name} set's first two items ({first_line(error)}): items of different "
+                f"sizes need a collate() of their own in the task block (padding, or lists: docs/adapting.md)"
+            ) from None
+        checked.append(dataset)
+    return tuple(checked)
 
 
-def item_problem(item):
-    """What is wrong with a dataset's item as the loop takes it (an input tensor and a target), or None."""
+def as_dataset(dataset, what):
+    """A map-style dataset as it is, a stream (an IterableDataset with a length) as a Stream; else one line."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        if not hasattr(dataset, "__len__"):
+            raise UsageError(
+                f"{what} is a stream (an IterableDataset) without __len__: give it one, its items per epoch (the steps "
+                f"per epoch and the LR schedule come from it)"
+            )
+        return Stream(dataset)
+    missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
+    if missing:
+        raise UsageError(
+            f"{what} is a {type(dataset).__name__} without {' and '.join(missing)}: give a map-style Dataset "
+            f"(len(dataset) and dataset[index]) or a stream (an IterableDataset with __len__)"
+        )
+    return dataset
+
+
+def pair_problem(item):
+    """What is wrong with a dataset's item as the loop takes it (an input and a target), or None."""
     if isinstance(item, dict):
         return f"a dict with keys {', '.join(map(repr, item))}: return (item[input key], item[target key])"
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         return f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-    image = item[0]
+    return None
+
+
+def image_problem(image):
+    """What is wrong with an input as an image that run_model() normalises (uint8, (C, H, W)) or takes as it is
+    (floating point), or None."""
     if not torch.is_tensor(image):
         kind = f"{type(image).__module__}.{type(image).__name__}"
         return (
-            f"({kind}, ...): convert the input in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) "
-            f"or torch.from_numpy(array).float()"
+            f"{kind}: convert the input in the dataset, e.g. torchvision.transforms.v2.ToImage() (uint8) or "
+            f"torch.from_numpy(array).float()"
         )
     if image.dtype == torch.float64:  # numpy's default: a model's float32 weights refuse it
-        return "(float64 input, ...): give float32, e.g. torch.from_numpy(array).float()"
+        return "float64 input: give float32, e.g. torch.from_numpy(array).float()"
     if image.dtype != torch.uint8 and not image.is_floating_point():
-        return f"({image.dtype} input, ...): give uint8 images (0-255, normalised here) or floating point ones"
+        return (
+            f"{image.dtype} input: images are uint8 (0-255, normalised on the device) or floating point; for token "
+            f"ids or other integers, write input_problem() and run_model() of your own (docs/adapting.md)"
+        )
     if image.dtype == torch.uint8 and image.dim() == 3 and image.shape[-1] in (1, 3, 4) and image.shape[0] > 4:
         return (
-            f"(uint8 image of shape {tuple(image.shape)}, ...): channels last (H, W, C); give (C, H, W), e.g. "
+            f"uint8 image of shape {tuple(image.shape)}: channels last (H, W, C); give (C, H, W), e.g. "
             f"torchvision.transforms.v2.ToImage() or image.permute(2, 0, 1)"
         )
     return None
 
 
+LOSS_NAMES = ("loss", "losses", "aux_loss")  # what a model that computes its own loss names it (HF: .loss)
+
+
 def split_outputs(outputs):
     """(main output, [auxiliary outputs]) of a model's forward: a tensor alone; a tuple or namedtuple, the main one
-    first (GoogLeNet's, Inception's); a dict, the main one under "out" (torchvision's segmentation models) or first."""
+    first (GoogLeNet's, Inception's); a dict, the main one under "out" (torchvision's segmentation models) or
+    "logits" (Hugging Face's outputs, dicts too), else the first. A loss the model returns with them (under a loss's
+    name, or a 0-d tensor: no batch dimension) is neither."""
     if isinstance(outputs, dict):
-        main = "out" if "out" in outputs else next(iter(outputs))
-        return outputs[main], [value for key, value in outputs.items() if key != main and value is not None]
+        kept = {key: value for key, value in outputs.items() if key not in LOSS_NAMES and not is_scalar(value)}
+        main = next((key for key in ("out", "logits") if key in kept), next(iter(kept), None))
+        return kept.get(main), [value for key, value in kept.items() if key != main and value is not None]
     if isinstance(outputs, (tuple, list)):
-        return outputs[0], [value for value in outputs[1:] if value is not None]
+        kept = [value for value in outputs if value is not None and not is_scalar(value)]
+        return (kept[0] if kept else None), kept[1:]
     return outputs, []
 
 
+def is_scalar(value):
+    return torch.is_tensor(value) and value.dim() == 0
+
+
+END = object()  # what next() gives at a stream's end: no stream yields it
+
+
+class Stream(Dataset):
+    """A stream (an IterableDataset) read as a sequence: stream[p] is item p of its epoch, read in order. Every
+    process that asks for items reads the stream from its start and keeps those it was asked for: the ranks and
+    loader workers share out the items, so the stream must yield all of them, every time, in the same order for the
+    same epoch. len(): its items per epoch; set_epoch(epoch), where it has one, is called before each epoch."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.items = None  # the iterator over the epoch being read, by the process `reader`
+        self.reader = None
+        self.epoch = None
+        self.next = 0  # the position of the item it gives next
+
+    def __len__(self):
+        return len(self.stream)
+
+    def __getitem__(self, position):
+        return self.item(0, position)
+
+    def item(self, epoch, position, seed=None):
+        """Item `position` of epoch `epoch`. With a seed, each item is read with the generators seeded from (seed,
+        epoch, its position), so what the stream draws for it does not depend on the items skipped before it."""
+        # From the start: in another epoch, for an item passed already, or in a loader worker forked from the reader
+        # (a copy of its iterator would share its open files' positions)
+        if epoch != self.epoch or position < self.next or self.reader != os.getpid():
+            if hasattr(self.stream, "set_epoch"):
+                self.stream.set_epoch(epoch)
+            self.items = iter(self.stream)
+            self.reader = os.getpid()
+            self.epoch = epoch
+            self.next = 0
+        while self.next <= position:
+            with seeded(seed, epoch, self.next) if seed is not None else contextlib.nullcontext():
+                item = next(self.items, END)
+            if item is END:
+                raise UsageError(
+                    f"the stream ended after {self.next} items of epoch {epoch + 1}, but its len() is {len(self)}: "
+                    f"make len() its items per epoch, and yield all of them in every process (the script shares "
+                    f"them out)"
+                )
+            self.next += 1
+        return item
+
+
+@contextlib.contextmanager
+def seeded(seed, epoch, index):
+    """torch's (CPU), Python's and numpy's generators seeded from (seed, epoch, index) within the block; torch's
+    state as it was after it (with --workers 0 the training loop draws from it too: its draws stay its own)."""
+    seed = hash((seed, epoch, index)) & 0xFFFF_FFFF_FFFF
+    saved = torch.get_rng_state()
+    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
+    random.seed(seed)
+    numpy.random.seed(seed & 0xFFFF_FFFF)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
+
+
 class SeededItems(Dataset):
-    """dataset[index] for the key (epoch, index) of EpochSampler, drawn with torch's (CPU), Python's and numpy's
-    generators seeded from (seed, epoch, index): augmentation whatever the workers, ranks or resumption."""
+    """The training items for EpochSampler's keys (epoch, position, index): dataset[index] drawn with torch's (CPU),
+    Python's and numpy's generators seeded from (seed, epoch, index), so its augmentation is the same whatever the
+    workers, ranks or resumption; a Stream's item at that position of the epoch, seeded from it."""
 
     def __init__(self, dataset, seed):
         self.dataset = dataset
@@ -333,15 +449,11 @@ class SeededItems(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        seed = hash((self.seed, *key)) & 0xFFFF_FFFF_FFFF
-        saved = torch.get_rng_state()
-        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
-        random.seed(seed)
-        numpy.random.seed(seed & 0xFFFF_FFFF)
-        try:
-            return self.dataset[key[1]]
-        finally:  # with --workers 0 the training loop draws from it too (dropout): its draws stay its own
-            torch.set_rng_state(saved)
+        epoch, position, index = key
+        if isinstance(self.dataset, Stream):  # read in its own order: the sampler's shuffle is not used
+            return self.dataset.item(epoch, position, self.seed)
+        with seeded(self.seed, epoch, index):
+            return self.dataset[index]
 
 
 def seed_step(seed, epoch, step):
@@ -352,10 +464,13 @@ def seed_step(seed, epoch, step):
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """Wraps a training sampler: yields (epoch, index) for SeededItems, and can start mid-epoch after a resume."""
+    """Wraps a training sampler: yields (epoch, position, index) for SeededItems, position the sample's place in the
+    epoch's order over all processes, and can start mid-epoch after a resume."""
 
     def __init__(self, sampler):
         self.sampler = sampler
+        self.world_size = getattr(sampler, "num_replicas", 1)
+        self.rank = getattr(sampler, "rank", 0)
         self.epoch = 0
         self.skip = 0  # positions of the sampler's order left out at the start (done before a resume)
         self.length = len(sampler)  # positions yielded
@@ -363,19 +478,34 @@ class EpochSampler(torch.utils.data.Sampler):
     def start(self, epoch, samples=0):
         """Start `epoch` after the first `samples` of its order. Rank r of W reads its positions r, r + W, ...: the
         samples seen do not depend on W, and every rank yields as many as rank 0."""
-        world_size = getattr(self.sampler, "num_replicas", 1)
-        rank = getattr(self.sampler, "rank", 0)
         self.epoch = epoch
-        self.skip = max(0, samples - rank + world_size - 1) // world_size
-        self.length = max(0, len(self.sampler) - (samples + world_size - 1) // world_size)
+        self.skip = max(0, samples - self.rank + self.world_size - 1) // self.world_size
+        self.length = max(0, len(self.sampler) - (samples + self.world_size - 1) // self.world_size)
 
     def __iter__(self):
         for position, index in enumerate(self.sampler):
             if self.skip <= position < self.skip + self.length:
-                yield self.epoch, index
+                yield self.epoch, position * self.world_size + self.rank, index
 
     def __len__(self):
         return self.length
+
+
+def to_device(batch, device):
+    """A batch's tensors on the device, wherever they are in it (tuples, lists, dicts: a detection batch's images
+    and box dicts, padded token ids and their lengths)."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
+
+
+class Counted:
+    """collate_fn for the validation loader: (the number of items, collate(items)), so that the loss and count
+    weigh samples, whatever the structure of a batch's targets."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, items):
+        return len(items), self.collate(items)
 
 
 class Position:
@@ -442,6 +572,14 @@ def train_mode(model):
         frozen = [not p.requires_grad for p in module.parameters()]
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and frozen and all(frozen):
             module.eval()
+
+
+def new_stage(set_trainable, args, model, epoch):
+    """set_trainable(args, model, epoch), the task block's: whether it changed which parameters train (a new stage:
+    the script then wraps the model anew, where DDP's wrapper knows the trained parameters, and builds an optimizer)."""
+    before = [p.requires_grad for p in model.parameters()]
+    set_trainable(args, model, epoch)
+    return before != [p.requires_grad for p in model.parameters()]
 
 
 def warmup_cosine(total_steps):
@@ -687,7 +825,10 @@ def start_workers(loader):
     """iter(loader), the stop signals held back while it forks the workers (until they ignore them), after one line
     if /dev/shm is too small for the batches every loader's workers hold there (a pod's 64 MB)."""
     if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
-        batch = getattr(loader.dataset[key][0], "nbytes", 0) * loader.batch_size  # (a tensor's; else no check)
+        if isinstance(key, tuple):  # SeededItems': (epoch, position, index); a stream's first item is read at once
+            key = (key[0], 0, key[2])
+        tensors = torch.utils._pytree.tree_leaves(loader.dataset[key])
+        batch = sum(t.nbytes for t in tensors if torch.is_tensor(t)) * loader.batch_size
         # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
         in_shm = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1
         _SHM_BYTES[loader] = (batch, loader.prefetch_factor, in_shm)
@@ -736,11 +877,13 @@ def metrics_line(metrics):
     return f"val {'  '.join(numbers)} ({metrics['count']} samples)"
 
 
-def improved(value, best, higher_is_better):
-    """Whether a metric's value beats the best so far (None: none yet; a NaN is beaten by any value)."""
+def improved(metrics, name, best, higher_is_better):
+    """Whether metrics[name] (Metrics.best) beats the best so far (None: none yet; a NaN is beaten by any value)."""
+    if name not in metrics:
+        raise UsageError(f"Metrics.best is {name!r}, but the metrics are {', '.join(metrics)}: name one of them")
     if best is None or best != best:
         return True
-    return value > best if higher_is_better else value < best
+    return metrics[name] > best if higher_is_better else metrics[name] < best
 
 
 class Logger:
@@ -782,12 +925,13 @@ class Logger:
             ) from None
 
     def add_training_images(self, items, epoch, count=32):
-        """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each)."""
-        picks = []
-        if self.enabled:  # spread over the dataset: of every class
-            picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()
-        images = [items[(epoch, i)][0] for i in picks]
-        if images and all(torch.is_tensor(x) and x.dim() == 3 and x.shape[0] in (1, 3) for x in images):
+        """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each), where the
+        inputs are images (C, H, W) of 1 or 3 channels, and not a stream's (read in order: a pass over it)."""
+        if not self.enabled or isinstance(items.dataset, Stream) or not is_image(items[(epoch, 0, 0)][0]):
+            return
+        picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()  # of every class
+        images = [items[(epoch, i, i)][0] for i in picks]
+        if all(is_image(image) and image.shape == images[0].shape for image in images):
             batch = torch.stack(images)
             if batch.is_floating_point():  # TensorBoard draws floats from 0 to 1: each image from its min to its max
                 low = batch.amin(dim=(1, 2, 3), keepdim=True)
@@ -795,7 +939,7 @@ class Logger:
                 batch = (batch - low) / (high - low).clamp(min=1e-12)
             with self.writing():
                 self.writer.add_images("train/augmented_images", batch, epoch)  # a grid, 8 a row
-        if self.enabled and hasattr(items.dataset, "large_photo_hint"):  # (builtin.ImageFiles)
+        if hasattr(items.dataset, "large_photo_hint"):  # (builtin.ImageFiles)
             self.fix = items.dataset.large_photo_hint() or self.fix
 
     def start_epoch(self, epoch, start_step=0):
@@ -875,6 +1019,10 @@ class Logger:
         if self.writer:
             with self.writing():
                 self.writer.close()
+
+
+def is_image(value):
+    return torch.is_tensor(value) and value.dim() == 3 and value.shape[0] in (1, 3)
 
 
 def quiet_tensorboard_thread(hook):

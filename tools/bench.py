@@ -230,8 +230,8 @@ def loaders(root, img_size, batch, seconds, epoch, order):
     decoded = utils.SeededItems(Decoded(images), seed=0)  # the same crops drawn: the same decode scales
     # a new crop every read, as the textbook's (an epoch a pass): 6 photos' 6 crops would fix their decode scales
     reads = {
-        "project": lambda n: project[(epoch * (1 << 40) + n // len(project), n % len(project))],
-        "decode": lambda n: decoded[(epoch * (1 << 40) + n // len(project), n % len(project))],
+        "project": lambda n: project[(epoch * (1 << 40) + n // len(project), 0, n % len(project))],
+        "decode": lambda n: decoded[(epoch * (1 << 40) + n // len(project), 0, n % len(project))],
         "textbook": lambda n: textbook[n % len(project)],
     }
     before = cpu_sample()

@@ -59,7 +59,7 @@ def items(files, img_size, train, epochs=3, seed=0):
     if not train:
         return [(i, dataset[i][0]) for i in range(len(files))]
     items = utils.SeededItems(dataset, seed)  # as the scripts' training loader reads it
-    return [((epoch, i), items[(epoch, i)][0]) for epoch in range(epochs) for i in range(len(files))]
+    return [((epoch, i), items[(epoch, i, i)][0]) for epoch in range(epochs) for i in range(len(files))]
 
 
 def mean_difference(a, b):

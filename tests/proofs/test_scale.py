@@ -77,7 +77,10 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
         for rank in range(w1):
             first = position(w1, rank, b1)
             first.start_epoch(0)
-            seen += [index for _, index in first.sampler][: steps_done * b1]
+            keys = list(first.sampler)
+            # each key's position is the sample's place in the epoch's order over all ranks (a stream reads that)
+            assert all(order[position] == index for _, position, index in keys)
+            seen += [index for _, _, index in keys][: steps_done * b1]
             for _ in range(steps_done):
                 first.advance()
         saved = first.state_dict()
@@ -91,7 +94,7 @@ def test_a_resume_continues_at_the_same_sample_whatever_the_world_size(before, a
             second.start_epoch(0)
             steps_left = second.steps_per_epoch - second.step
             assert second.global_step == second.step  # epoch 0
-            mine = [index for _, index in second.sampler]
+            mine = [index for _, _, index in second.sampler]
             rest = order[saved["samples"] : usable2]
             share = rest[(rank - saved["samples"]) % w2 :: w2][: len(rest) // w2]  # as many on every rank
             assert mine == share, (rank, saved)  # the whole remainder: its share of the rest of the order
@@ -129,7 +132,7 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
         order = epoch_order(len(train), seed, epoch)
         first_step = steps_per_epoch - (len(train) - position) // global_batch
         for step in range(first_step, steps_per_epoch):
-            batch = [dataset[(epoch, index)] for index in order[position : position + global_batch]]
+            batch = [dataset[(epoch, 0, index)] for index in order[position : position + global_batch]]
             position += global_batch
             images, labels = torch.stack([image for image, _ in batch]), torch.tensor([label for _, label in batch])
             F.cross_entropy(model(utils.normalize(images)), labels).backward()
