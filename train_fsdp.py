@@ -245,7 +245,8 @@ def main(args):
     best = None  # the best value of the metric that best.pt follows
     checkpoint = utils.load_checkpoint(resume, classes) if resume else None
     if checkpoint:
-        model.load_state_dict(checkpoint["model"])
+        if args.test_only:  # the plain weights, from any script (a training resume reads its shards, below)
+            model.load_state_dict(checkpoint["model"])
         if ema is not None and checkpoint.get("ema"):
             ema.load_state_dict(checkpoint["ema"])
         if not args.test_only:

@@ -24,6 +24,9 @@ epoch warms up; evaluation and checkpoints are left out). Rows:
                   64 px, and generated 12 MP photo-like JPEGs at 224 px
   start-up        train_single.py's first progress line after its start, less its import of torch and torchvision
                   (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every training row runs with)
+  drift check     the DDP rungs' comparison of the ranks' weights at each evaluation (dist_utils.check_replicas:
+                  two sums a parameter, one all-reduce), on the bench's model in a group of this process alone,
+                  timed as the data rows are, against the ddp row's epoch
 The rows run --repeats times (3; 1 with --quick or --tiny), in alternating order; a figure is the median over the
 repetitions, a ratio the median of the ratios within each. Each target is a fraction of a limit measured in the same
 run; a target that the median misses but a repetition meets is "within noise" (the repetitions' range is shown).
@@ -73,7 +76,9 @@ TARGETS = {
     "loader_of_decode": 0.50,
     "photo_loader_of_decode": 0.90,
     "startup_s": 1.0,
+    "drift_check_of_epoch": 0.01,  # a hundredth of the demo's epoch at most; an ImageNet epoch is 1,600 times longer
 }
+LOWER_IS_BETTER = ("startup_s", "drift_check_of_epoch")
 GPU_MODEL = "resnet50"
 GPU_IMG = 224
 GPU_BATCH = 96
@@ -196,6 +201,21 @@ def timed(call, threads, seconds):
     return timer.blocked_autorange(min_run_time=seconds).mean
 
 
+def drift_check(seconds):
+    """{"check_s": the seconds of dist_utils.check_replicas on the bench's model}, in a process group of this process
+    alone (gloo), the model on the device the training rows use."""
+    import torch
+    import torch.distributed as dist
+    import torchvision
+
+    import dist_utils
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = torchvision.models.get_model(MODEL, num_classes=5).to("cuda" if torch.cuda.is_available() else "cpu")
+    return {"check_s": timed(lambda: dist_utils.check_replicas(model), 1, seconds)}
+
+
 class Decoded:
     """The project's decode alone: each file at the reduced scale its crop allows (builtin.ImageFiles.decode)."""
 
@@ -298,7 +318,7 @@ def in_memory(script, folder):
     """A copy of script whose build_datasets() gives images already in memory: the step with nothing to load."""
     source = (REPO / script).read_text()
     start = source.index("def build_datasets(")
-    end = source.index("def build_model(")
+    end = re.search(r"^(def|class) ", source[start + 1 :], re.M).start() + start + 1  # the next definition
     path = Path(folder) / f"in_memory_{script}"
     path.write_text(source[:start] + IN_MEMORY + source[end:])
     return path
@@ -361,12 +381,14 @@ def measure(opts, cores, tmp):
         )
     if not cuda and not dist_utils.cpu_computes_bf16():  # emulated bf16 is 10-30x slower than fp32: no figure
         skipped["amp"] = skipped["amp_limit"] = "this CPU has no bf16 arithmetic (AVX512-BF16/AMX)"
-    runs = {name: [] for name in (*scripts, "loader", "photos") if name not in skipped}
+    runs = {name: [] for name in (*scripts, "loader", "photos", "drift") if name not in skipped}
     for rep in range(repeats):
         names = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # a drift of the machine hits both sides
         for name in names:
             print(f"bench: repetition {rep + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
-            if name in ("loader", "photos"):
+            if name == "drift":
+                runs[name].append(drift_check(seconds))
+            elif name in ("loader", "photos"):
                 order = ("project", "decode", "textbook")
                 if rep % 2:
                     order = order[::-1]
@@ -447,15 +469,19 @@ def summarize(runs, skipped, config, machine):
         "skipped": skipped,
     }
     r["startup_s"] = r["first_step_s"] - r["import_s"] if r["first_step_s"] and r["import_s"] else None
+    r["drift_check_s"] = figure("drift", "check_s")
+    steps = config["train_images"] // config["nproc"] // config["batch_per_process"]  # the ddp row's epoch (drop_last)
+    epoch_s = steps * config["nproc"] * config["batch_per_process"] / r["ddp_img_s"] if r["ddp_img_s"] else None
+    r["drift_check_of_epoch"] = r["drift_check_s"] / epoch_s if r["drift_check_s"] and epoch_s else None
     each["loader_of_decode"] = [run["of_decode"] for run in runs.get("loader", [])]
     each["photo_loader_of_decode"] = [run["of_decode"] for run in runs.get("photos", [])]
     r["ratios_each_repetition"] = each
 
     def met(key, target):
-        """Whether r[key] meets its target (None: no figure); start-up is a time: the lower the better."""
+        """Whether r[key] meets its target (None: no figure); start-up and the drift check: the lower the better."""
         if r[key] is None:
             return None
-        if key == "startup_s":
+        if key in LOWER_IS_BETTER:
             return r[key] <= target
         return r[key] >= target
 
@@ -508,7 +534,7 @@ def table(r):
         t = r["targets"].get(key)
         if not t or t["met"] is None:
             return ""
-        bound = f"({'<=' if key == 'startup_s' else '>='} {t['target']})"
+        bound = f"({'<=' if key in LOWER_IS_BETTER else '>='} {t['target']})"
         if t["met"]:
             return f"met {bound}"
         if t["within_noise"]:
@@ -581,6 +607,16 @@ def table(r):
             "",
             verdict("startup_s"),
             "-",
+        ],
+        [
+            f"drift check: dist_utils.check_replicas, {c['model']} (s)",
+            "1 x 1 thread",
+            fmt(r["drift_check_s"], 4),
+            " ".join(fmt(x.get("check_s"), 4) for x in runs.get("drift", [])),
+            "check / ddp epoch",
+            fmt(r["drift_check_of_epoch"], 4),
+            verdict("drift_check_of_epoch"),
+            fmt(median(x.get("others") for x in runs.get("drift", [])), 2),
         ],
     ]
     lines = [

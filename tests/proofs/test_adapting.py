@@ -414,13 +414,14 @@ VOCABULARY = 40  # token ids 1..39; 0 pads
 TOPICS = ["sport", "music", "science"]
 
 
-def sentences(count, seed):
+def sentences(count, seed, shares=None):
     """Token-id sequences of 4 to 24 tokens: mostly common words (ids 10-39), and a few of their topic's own
-    (ids 1-3 sport, 4-6 music, 7-9 science), so that a model must find them wherever they are."""
+    (ids 1-3 sport, 4-6 music, 7-9 science), so that a model must find them wherever they are; the topics in turn,
+    or drawn by their shares."""
     g = torch.Generator().manual_seed(seed)
     items = []
     for i in range(count):
-        topic = i % 3
+        topic = i % 3 if shares is None else int(torch.multinomial(torch.tensor(shares), 1, generator=g))
         length = int(torch.randint(4, 25, (), generator=g))
         ids = torch.randint(10, VOCABULARY, (length,), generator=g)
         where = torch.randperm(length, generator=g)[: max(1, length // 5)]
@@ -430,15 +431,21 @@ def sentences(count, seed):
 
 
 class Texts(torch.utils.data.Dataset):
-    """Variable-length token ids and their topic; in training a token in ten is dropped (torch's generator)."""
+    """Variable-length token ids and their topic. In training the topics are imbalanced: item i of an epoch is a
+    draw by weight (1 / its topic's count: each topic as often), as WeightedRandomSampler would draw, and a token in
+    ten is dropped (both from torch's generator)."""
 
     def __init__(self, items, train):
         self.items, self.train = items, train
+        counts = torch.bincount(torch.tensor([topic for _, topic in items]), minlength=3).double()
+        self.weights = 1 / counts[[topic for _, topic in items]]
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, index):
+        if self.train:
+            index = int(torch.multinomial(self.weights, 1))
         ids, topic = self.items[index]
         if self.train:
             kept = torch.rand(len(ids)) > 0.1
@@ -468,7 +475,7 @@ def add_task_arguments(parser):
 
 
 def build_datasets(args):
-    return Texts(sentences(192, 0), train=True), Texts(sentences(47, 1), train=False), TOPICS
+    return Texts(sentences(192, 0, [0.6, 0.25, 0.15]), train=True), Texts(sentences(47, 1), train=False), TOPICS
 
 
 def input_problem(inputs):

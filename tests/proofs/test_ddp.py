@@ -9,6 +9,7 @@ by name (--weights IMAGENET1K_V1), read from the hub cache with no network (shar
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -301,7 +302,7 @@ def test_bad_input_is_reported_once_and_ends_the_job(tiny_data, bare, tmp_path):
     for proc, line in (
         (
             dict_items,
-            "error: the training set's items must be (input tensor, target) pairs; its "
+            "error: the training set's items must be (input, target) pairs; its "
             "first is a dict with keys 'image', 'label': return (item[input key], "
             "item[target key])",
         ),
@@ -356,14 +357,16 @@ def build_model(args, num_classes):
 
 def users_copy(folder, code):
     """train_ddp_torchrun.py, utils.py and dist_utils.py in folder (no builtin.py), the task block's flags, data and
-    model replaced by code (the default optimizer, loss, target check and metrics kept)."""
+    model replaced by code (our other definitions kept)."""
     folder.mkdir()
     for name in ("utils.py", "dist_utils.py"):
         shutil.copy(REPO / name, folder)
     text = (REPO / "train_ddp_torchrun.py").read_text()
-    start, end = text.index("def add_task_arguments(parser):"), text.index("def build_optimizer(")
+    for name in ("add_task_arguments", "build_datasets", "build_model"):  # ours of the others kept
+        text = re.sub(rf"^def {name}\(.*?(?=^(def|class) )", "", text, count=1, flags=re.S | re.M)
+    start = text.index("def input_problem(")
     no_flags = "def add_task_arguments(parser):\n    pass\n\n\n"
-    (folder / "train_ddp_torchrun.py").write_text(text[:start] + no_flags + code.lstrip() + "\n\n" + text[end:])
+    (folder / "train_ddp_torchrun.py").write_text(text[:start] + no_flags + code.lstrip() + "\n\n" + text[start:])
     return folder
 
 

@@ -274,7 +274,7 @@ def bf16_with_a_dtype_hook(tiny_data, out):
         "    __import__('atexit').register(lambda: print('dtypes', sorted(seen)) if rank == 0 else None)\n"
     )
     text = (REPO / "train_fsdp.py").read_text()
-    anchor = "    fully_shard(model, mesh=mesh, mp_policy=policy)\n"
+    anchor = "        fully_shard(module, mesh=mesh, mp_policy=policy)\n"  # the sharding loop's last line
     assert text.count(anchor) == 1
     (copy / "train_fsdp.py").write_text(text.replace(anchor, anchor + hook))
     proc = ok(fsdp(copy, 2, *DEFAULTS, "--data-path", tiny_data, "--amp-dtype", "bf16", "--output-dir", out / "bf16"))

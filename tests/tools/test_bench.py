@@ -32,6 +32,8 @@ FIGURES = [
     "photo_loader_of_decode",
     "photo_textbook_loader_img_s",
     "photo_loader_speedup",
+    "drift_check_s",
+    "drift_check_of_epoch",
 ]
 
 
@@ -63,7 +65,7 @@ def test_tiny_bench_writes_every_figure(tmp_path):
     # Skipped rows are named, with why, in the table: dp, the ceiling and amp's limit under --tiny; amp and its limit
     # where the CPU has no bf16
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    assert len(table) == 17, proc.stdout  # the header, its rule and 15 rows
+    assert len(table) == 18, proc.stdout  # the header, its rule and 16 rows
     bf16 = config["device"] == "cuda" or dist_utils.cpu_computes_bf16()
     assert sum("skipped: --tiny" in line for line in table) == (3 if bf16 else 2), proc.stdout
     amp_row = next(line for line in table if line.startswith("| amp 1: train_ddp_amp.py --amp-dtype bf16"))
@@ -93,8 +95,9 @@ def test_each_target_is_judged_against_a_limit_of_the_same_run():
         "accum": rows(80, 81, 82),  # 0.81: missed
         "loader": [{**loader(95, 100), "of_decode": 0.95, "speedup": 95.0}],
         "photos": [{**loader(50, 100), "of_decode": 0.5, "speedup": 50.0}],
+        "drift": [{"check_s": 0.01}],  # of a ddp epoch of 768 images at 95 img/s (8.1 s): 0.0012
     }
-    config = {"device": "cpu", "nproc": 2, "threads_single": 2}
+    config = {"device": "cpu", "nproc": 2, "threads_single": 2, "train_images": 800, "batch_per_process": 32}
     r = bench.summarize(runs, {}, config, {"gpu": "none", "gpus": 0, "torch": "2"})
     assert (r["single_ratio"], r["amp_of_limit"], r["accum_of_ceiling"]) == (0.98, 0.86, 0.81)
     verdicts = {key: (t["met"], t["within_noise"]) for key, t in r["targets"].items() if t["met"] is not None}
@@ -105,4 +108,5 @@ def test_each_target_is_judged_against_a_limit_of_the_same_run():
         "accum_of_ceiling": (False, False),
         "loader_of_decode": (True, False),
         "photo_loader_of_decode": (False, False),
+        "drift_check_of_epoch": (True, False),  # at most (the lower the better)
     }
