@@ -260,17 +260,28 @@ def decode_image(path, scale=None):
     factor = 1
     try:
         with open(path, "rb") as file:
-            data = bytearray(file.read())  # writable: a tensor shares it (torch.frombuffer)
-        jpeg = jpeg_size(data)  # (height, width), or None: another format
-        size = jpeg or header_size(path)
-        if size and Image.MAX_IMAGE_PIXELS and size[0] * size[1] > Image.MAX_IMAGE_PIXELS:
-            raise Image.DecompressionBombError(f"{size[1]} x {size[0]} pixels")
+            head = file.read(1 << 16)  # a JPEG's frame header is in its first segments
+            jpeg = jpeg_size(head)  # (height, width), or None: another format
+            size = jpeg or header_size(path)
+            if size and Image.MAX_IMAGE_PIXELS and size[0] * size[1] > Image.MAX_IMAGE_PIXELS:
+                raise Image.DecompressionBombError(f"{size[1]} x {size[0]} pixels")
+            if size is None:  # no format that PIL knows: nothing more is read
+                raise BadImageError(f"cannot decode image {path} (not an image file); remove or replace the file")
+            length = os.fstat(file.fileno()).st_size
+            if length > 3 * size[0] * size[1] + (16 << 20):  # more than raw pixels and generous metadata
+                raise BadImageError(
+                    f"image {path} is {length >> 20} MiB for {size[1]} x {size[0]} pixels, more than an image of that "
+                    f"size holds (damaged, or not an image); remove or replace the file"
+                )
+            data = bytearray(head + file.read())  # writable: a tensor shares it (torch.frombuffer)
         if scale and jpeg and min(jpeg):
             factor = scale(*jpeg)
         if codec_decode and factor == 1:  # (a JPEG straight to its decoder: no format detection, 10 % of an item)
             decode = codec_jpeg if jpeg else codec_decode
             image = decode(torch.frombuffer(data, dtype=torch.uint8), mode="RGB")
             return image[0] if image.dim() == 4 else image  # an animated GIF's frames: the first, as PIL gives
+    except BadImageError:
+        raise
     except Image.DecompressionBombError as error:
         raise BadImageError(
             f"image {path} has {error}, over PIL.Image.MAX_IMAGE_PIXELS ({Image.MAX_IMAGE_PIXELS}): "
@@ -319,7 +330,14 @@ def demo_data():
     """The built-in demo dataset: 5 classes x 200 JPEGs of 80x80 textures, generated once into data/demo."""
     if not DEMO_DIR.is_dir():
         partial = DEMO_DIR.with_name(f".demo-{os.getpid()}")  # renamed into place: never half-written
-        make_demo_images(partial)
+        try:
+            make_demo_images(partial)
+        except OSError as error:  # a read-only checkout (a container's root), a full disk
+            shutil.rmtree(partial, ignore_errors=True)
+            raise UsageError(
+                f"cannot write the demo data into {DEMO_DIR.parent} ({error.strerror or error}): give --data-path "
+                f"(a folder of class folders), or run from a checkout that can be written"
+            ) from None
         with contextlib.suppress(OSError):  # (another process finished first; its images are identical)
             os.rename(partial, DEMO_DIR)
         shutil.rmtree(partial, ignore_errors=True)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import utils
-from utils import STOP_SIGNALS, UsageError, first_line, load_file
+from utils import UsageError, first_line, load_file
 
 
 def require_launcher(launcher):
@@ -73,6 +73,12 @@ def resume_if_restarted(args, script):
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
         args.output_dir = args.output_dir or f"runs/{Path(script).stem}-{run_id}"
+        stopped = Path(args.output_dir) / ".stopped"  # (a requeued SLURM job may have the run id of the stopped one)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+            with contextlib.suppress(OSError):  # (a folder that cannot be written: claim_output_dir says so)
+                stopped.unlink(missing_ok=True)
+        elif stopped.is_file() and stopped.read_text().split()[0] == run_id:
+            sys.exit(128 + int(stopped.read_text().split()[1]))  # a stop of this job (said), taken for a failure
         last = Path(args.output_dir) / "last.pt"
         if last.exists() and load_file(last, "--resume").get("run_id") == run_id:
             args.resume = "auto"
@@ -235,22 +241,15 @@ def peer_failure(error):
     return None
 
 
-class StopOnSignal:
-    """A stop signal is noted, not acted on at once: the ranks agree to stop after the same step, and save there.
-    Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or SIGHUP; torchrun forwards them
-    to every worker, SLURM and terminals reach every process of the job themselves."""
+class StopOnSignal(utils.StopOnSignal):
+    """utils.StopOnSignal for several ranks: they agree to stop after the same step, and save there. torchrun forwards
+    a signal to every worker; SLURM and terminals reach every process of the job themselves; a signal that reaches
+    one rank alone stops them all."""
 
     def __init__(self):
-        self.seen = []  # the signals that reached this rank
-        self.signum = 0  # the one the ranks agreed on (0: none)
+        super().__init__()
         # The vote is an all-reduce of a CPU tensor (gloo): reading a GPU's would wait for all the work queued on it
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, lambda signum, frame: self.seen.append(signum))
-
-    def __bool__(self):
-        """Whether a signal reached this rank."""
-        return bool(self.seen)
 
     def agreed(self):
         """The signal any rank has seen (0: none), by an all-reduce that every rank runs at the same points: before
@@ -263,21 +262,12 @@ class StopOnSignal:
         return self.signum
 
     def exit(self, step, output_dir):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(
-                f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
-                f"with --resume auto --output-dir {output_dir}",
-                flush=True,
-            )
-        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
-
-
-def ignore_stop_signals(worker_id):
-    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
-    its rank down with it. The rank decides; workers still exit when it dies."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
+        """utils.StopOnSignal.exit. Under torchrun --max-restarts, a stop that only the ranks saw (not the launcher)
+        looks to torchrun like a failure, and it would restart the job: the restarted ranks find .stopped and end
+        at once (resume_if_restarted), so the stop stays one."""
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and int(os.environ.get("RANK", 0)) == 0:
+            (Path(output_dir) / ".stopped").write_text(f"{os.environ['TORCHELASTIC_RUN_ID']} {self.signum}\n")
+        super().exit(step, output_dir)
 
 
 def autocast_dtype(requested, device):

@@ -119,6 +119,20 @@ class SafeReader(dcp.FileSystemReader):
         strays = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
         if strays:
             raise UsageError(f"--resume: {folder}/.metadata names a file outside its folder ({strays[0][:80]!r})")
+        # Every piece the metadata names must lie within its file: a shard cut short (a full disk, a copy interrupted)
+        # is one line here, on every rank alike, not a failure deep in dcp.load
+        sizes = {}
+        for info in self.metadata.storage_data.values():
+            name = info.relative_path
+            if name not in sizes:
+                sizes[name] = (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else -1
+            if info.offset + info.length > sizes[name]:
+                best = Path(folder).parent / "best.pt"
+                fallback = f"; {best} holds the best epoch's weights: start from them with --weights {best}"
+                raise UsageError(
+                    f"--resume: the shard {Path(folder).name}/{name} is cut short or missing ({max(sizes[name], 0)} "
+                    f"bytes, its pieces reach {info.offset + info.length})" + (fallback if best.is_file() else "")
+                )
         self.planner = SafeLoadPlanner()
 
     def read_metadata(self, *args, rank=None, **kwargs):

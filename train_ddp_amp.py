@@ -198,7 +198,7 @@ def main(args):
         drop_last=True,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
@@ -211,7 +211,7 @@ def main(args):
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
@@ -264,7 +264,7 @@ def main(args):
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     resumed = ""
     if checkpoint and not args.test_only:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
         if checkpoint.get("scaler"):  # else (bf16, or a checkpoint of the torchrun rung) a fresh scaler
             scaler.load_state_dict(checkpoint["scaler"])
         resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"

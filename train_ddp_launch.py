@@ -189,6 +189,7 @@ def main(args):
         drop_last=True,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
@@ -201,6 +202,7 @@ def main(args):
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)
@@ -239,7 +241,7 @@ def main(args):
     schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     resumed = ""
     if checkpoint and not args.test_only:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
         resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
@@ -271,6 +273,15 @@ def main(args):
         }
         utils.save_checkpoint(checkpoint, output_dir, is_best)
 
+    # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
+    # stop after the same step, rank 0 saves there, and --resume auto continues.
+    stop = dist_utils.StopOnSignal()
+
+    def stop_here():
+        if rank == 0:
+            save()
+        stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
+
     log = utils.Logger(
         output_dir,
         classes,
@@ -289,7 +300,10 @@ def main(args):
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_mode(model)
         log.start_epoch(epoch, position.step)
-        for step, (inputs, targets) in enumerate(log.timed(train_loader), start=position.step):
+        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        for step, (inputs, targets) in enumerate(log.timed(batches), start=position.step):
+            if stop.agreed():  # a vote before each step: every rank stops at the same one
+                stop_here()
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
             loss = compute_loss(run_model(model, inputs, targets), targets)
@@ -309,7 +323,9 @@ def main(args):
             if rank == 0 and saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
                 save()
 
-        metrics = evaluate(model.module, ema, val_loader, device, classes)
+        metrics = evaluate(model.module, ema, val_loader, device, classes, stop)
+        if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
+            stop_here()
         log.end_epoch(position.global_step, metrics)
         is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
         if is_best:
@@ -351,10 +367,10 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, ema, loader, device, names):
+def evaluate(model, ema, loader, device, names, stop=None):
     """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
     dist_utils.check_replicas(model)  # weights drifted apart (requires_grad changed after DDP(...)): one line
-    averaged = {} if ema is None else evaluate(ema, None, loader, device, names)
+    averaged = {} if ema is None else evaluate(ema, None, loader, device, names, stop)
     # The unwrapped model: a DDP forward would sync buffers while the ranks run different numbers of batches. DDP
     # copies rank 0's buffers only at a training forward, so each rank's BatchNorm statistics are from its own last
     # batch: evaluate every slice with rank 0's, the ones it saves.
@@ -364,7 +380,9 @@ def evaluate(model, ema, loader, device, names):
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
-    for samples, (inputs, targets) in loader:
+    for samples, (inputs, targets) in utils.start_workers(loader):
+        if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
+            break
         inputs, targets = utils.to_device((inputs, targets), device)
         outputs = run_model(model, inputs, targets)
         loss = compute_loss(outputs, targets)

@@ -199,7 +199,7 @@ def main(args):
         drop_last=True,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
@@ -212,7 +212,7 @@ def main(args):
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
@@ -259,7 +259,7 @@ def main(args):
     schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     resumed = ""
     if checkpoint and not args.test_only:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
         resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))

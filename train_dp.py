@@ -149,6 +149,7 @@ class Metrics:
 
 def main(args):
     start_time = time.time()
+    utils.require_one_process()  # a launcher's RANK left in the shell would make it another process's
     utils.check_args(args)
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
@@ -170,6 +171,7 @@ def main(args):
         drop_last=True,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
     # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
@@ -180,6 +182,7 @@ def main(args):
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader)
@@ -221,7 +224,7 @@ def main(args):
     schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     resumed = ""
     if checkpoint and not args.test_only:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
         resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
     utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
@@ -249,6 +252,14 @@ def main(args):
         }
         utils.save_checkpoint(checkpoint, output_dir, is_best)
 
+    # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the loop stops after
+    # the step it is in and saves there, and --resume auto continues.
+    stop = utils.StopOnSignal()
+
+    def stop_here():
+        save()
+        stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
+
     log = utils.Logger(
         output_dir,
         classes,
@@ -266,7 +277,10 @@ def main(args):
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_mode(model)
         log.start_epoch(epoch, position.step)
-        for step, (inputs, targets) in enumerate(log.timed(train_loader), start=position.step):
+        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        for step, (inputs, targets) in enumerate(log.timed(batches), start=position.step):
+            if stop.agreed():  # checked before each step: the state after the last one is saved
+                stop_here()
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
             loss = compute_loss(run_model(model, inputs, targets), targets)
@@ -286,7 +300,9 @@ def main(args):
             if saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
                 save()
 
-        metrics = evaluate(model, ema, val_loader, device, classes)
+        metrics = evaluate(model, ema, val_loader, device, classes, stop)
+        if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
+            stop_here()
         log.end_epoch(position.global_step, metrics)
         is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
         if is_best:
@@ -323,14 +339,16 @@ def main(args):
 
 
 @torch.no_grad()
-def evaluate(model, ema, loader, device, names):
+def evaluate(model, ema, loader, device, names, stop=None):
     """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
-    averaged = {} if ema is None else evaluate(ema, None, loader, device, names)
+    averaged = {} if ema is None else evaluate(ema, None, loader, device, names, stop)
     model.eval()
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
-    for samples, (inputs, targets) in loader:
+    for samples, (inputs, targets) in utils.start_workers(loader):
+        if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
+            break
         inputs, targets = utils.to_device((inputs, targets), device)
         outputs = run_model(model, inputs, targets)
         loss = compute_loss(outputs, targets)

@@ -210,7 +210,7 @@ def main(args):
         drop_last=True,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
@@ -223,7 +223,7 @@ def main(args):
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
-        worker_init_fn=dist_utils.ignore_stop_signals,
+        worker_init_fn=utils.ignore_stop_signals,
     )
     utils.start_workers(val_loader)
     steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps

@@ -44,8 +44,13 @@ class UsageError(Exception):
         super().__init__(message)
 
 
-class BadImageError(UsageError):
-    """An undecodable image: only the process that read it knows, so it reports it."""
+class OwnError(UsageError):
+    """Bad input that only this process knows (an image it read, its loader worker, its environment): it says it,
+    whatever its rank."""
+
+
+class BadImageError(OwnError):
+    """An undecodable image."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -125,6 +130,23 @@ def check_args(args):
     return args
 
 
+def require_one_process():
+    """train_single.py and train_dp.py run one process: a launcher's ranks in the environment (left in a shell, or a
+    launcher that started several copies) would make it another rank's, with another rank's randomness: one line."""
+    env = os.environ
+    found = [
+        f"{name}={env[name]}"
+        for name, alone in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"))
+        if env.get(name, alone) != alone
+    ]
+    if found:
+        raise OwnError(
+            f"{Path(sys.argv[0]).name} runs one process, but {' '.join(found)} is set (a launcher's, left in the "
+            f"shell, or a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
+            f"(bash run.sh ddp)"
+        )
+
+
 def get_device(requested):
     """--device, else the accelerator torch finds (CUDA, ROCm as cuda, XPU, MPS), else the CPU (docs/running.md)."""
     found = torch.accelerator.current_accelerator(check_available=True)  # None where none is usable
@@ -174,13 +196,19 @@ def choose_device(requested, accelerator, count, processes):
 
 
 def resolve_run(args, script):
-    """(output folder, checkpoint to resume), without touching the disk: a new folder by default; one holding a
-    checkpoint or results is refused unless resumed, so a run never overwrites another's outputs."""
+    """(output folder, checkpoint to resume), without touching the disk: a new folder by default. A run writes only
+    into a new or empty folder, a run folder of these scripts (its .lock) or the folder of the checkpoint it resumes,
+    and one holding a checkpoint or results only when it resumes it: it never overwrites what it did not write."""
     output_dir = Path(args.output_dir) if args.output_dir else None
     resume = None
     if args.resume == "auto":
         if (output_dir / "last.pt").exists():
             resume = output_dir / "last.pt"
+        elif (output_dir / "results.json").exists():  # a run that ended, its last.pt gone
+            raise UsageError(
+                f"--resume auto: {output_dir} holds no last.pt to continue, only the results of a run that ended: "
+                f"choose a new --output-dir (to start from its weights: --weights {output_dir / 'best.pt'})"
+            )
     elif args.resume:
         resume = Path(args.resume)
         if not resume.is_file():
@@ -200,10 +228,20 @@ def resolve_run(args, script):
             f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
             f"--resume auto, or choose a new --output-dir"
         )
+    foreign = []
+    if (resume is None or output_dir != resume.parent) and not (output_dir / ".lock").exists():
+        with contextlib.suppress(OSError):  # (not a folder, or not readable: claim_output_dir says so)
+            foreign = sorted(entry.name for entry in os.scandir(output_dir))
+    if foreign:
+        raise UsageError(
+            f"--output-dir {output_dir} holds files ({', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}) and "
+            f"is not a run folder of these scripts (it has no .lock): choose a new or an empty folder"
+        )
     return output_dir, resume
 
 
 _RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock file (global rank 0)
+OWN_TEMPORARY = re.compile(r"\.(last\.pt|best\.pt|results\.json|class_indices\.json)\.\d+\.tmp")  # atomic_write's
 
 
 def claim_output_dir(output_dir):
@@ -240,8 +278,9 @@ def hold(lock, output_dir):
                 f"end (or stop it) before you resume it, or choose another --output-dir"
             )
         return None
-    for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote
-        stale.unlink(missing_ok=True)
+    for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote: only those
+        if OWN_TEMPORARY.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
@@ -649,6 +688,7 @@ def write_json(path, data):
 def load_file(path, flag):
     if not Path(path).is_file():
         raise UsageError(f"{flag} {path}: no such file")
+    check_archive(path, flag)  # read before it is trusted: nothing inflated, every entry's CRC right
     try:  # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -660,22 +700,65 @@ def load_file(path, flag):
             f"dict"
         ) from None
     except Exception as error:  # a file cut short (a full disk, an interrupted copy), or not a checkpoint at all
-        best = Path(path).with_name("best.pt")
-        intact = ""
-        if flag == "--resume" and Path(path).name == "last.pt" and best.is_file() and zipfile.is_zipfile(best):
-            intact = (
-                f"; {best} is intact: continue from it with --resume {best}, or start from its weights with "
-                f"--weights {best}"
-            )
         raise UsageError(
-            f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)}){intact}"
+            f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)})"
+            f"{intact_fallback(path, flag)}"
         ) from None
+
+
+def check_archive(path, flag):
+    """A checkpoint is a zip that torch.save writes with every entry stored, not compressed: one that would inflate
+    (a crafted file: gigabytes from megabytes, which torch.load would inflate in memory) is refused from the zip's
+    directory, unread, and a damaged one (a flipped bit, which torch.load does not check) by its entries' CRCs,
+    read in chunks: each in one line, naming the intact fallback where there is one. A file that is not a zip is
+    left to torch.load (a legacy checkpoint, or one cut short: it says so)."""
+    if not zipfile.is_zipfile(path):
+        return
+    with zipfile.ZipFile(path) as archive:
+        for entry in archive.infolist():
+            if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > os.path.getsize(path):
+                raise UsageError(
+                    f"{flag} {path}: its entry {entry.filename[-60:]} would inflate to {entry.file_size} bytes "
+                    f"from {entry.compress_size} (torch.save stores, never compresses): not a checkpoint of "
+                    f"these scripts, refused unread"
+                )
+        try:
+            damaged = archive.testzip()  # the first entry whose CRC is wrong, or None
+        except (OSError, zipfile.BadZipFile, EOFError) as error:  # (a local header that does not match: damaged too)
+            damaged = first_line(error)
+    if damaged:
+        raise UsageError(f"{flag} {path}: damaged ({damaged[-60:]} fails its CRC check){intact_fallback(path, flag)}")
+
+
+def intact_fallback(path, flag):
+    """ "; best.pt is intact: ..." where a damaged last.pt has a best.pt beside it that is whole, else ""."""
+    best = Path(path).with_name("best.pt")
+    if flag != "--resume" or Path(path).name != "last.pt" or not best.is_file() or not zipfile.is_zipfile(best):
+        return ""
+    with zipfile.ZipFile(best) as archive:
+        with contextlib.suppress(Exception):
+            if archive.testzip() is None:
+                return (
+                    f"; {best} is intact: continue from it with --resume {best}, or start from its weights with "
+                    f"--weights {best}"
+                )
+    return ""
 
 
 def first_line(error, width=160):
     """An exception's first sentence, without a C++ source location, shortened to `width` characters."""
     line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
+
+
+def optimizer_state(checkpoint, path):
+    """The checkpoint's optimizer state; train_fsdp.py's last.pt names the folder of its shards instead: one line."""
+    if isinstance(checkpoint["optimizer"], str):
+        raise UsageError(
+            f"--resume {path}: a run of train_fsdp.py (its optimizer state is sharded in {checkpoint['optimizer']}): "
+            f"continue it with train_fsdp.py (bash run.sh fsdp), or start from its weights with --weights {path}"
+        )
+    return checkpoint["optimizer"]
 
 
 def load_checkpoint(path, names):
@@ -720,7 +803,7 @@ def one_line_errors():
         yield
         status = 0
     except UsageError as error:
-        if local_rank_0() or isinstance(error, BadImageError):
+        if local_rank_0() or isinstance(error, OwnError):
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
             wait_to_be_stopped()
@@ -737,6 +820,8 @@ def one_line_errors():
     except BaseException as error:
         if "shared memory" in str(error):  # a loader worker's batch did not fit: /dev/shm is full
             print(f"error: {shm_too_small('the loader workers of this node', 'fewer --workers')}", file=sys.stderr)
+        elif line := killed_worker(error):  # one of this process's loader workers: it says so
+            print(f"error: {line}", file=sys.stderr)
         elif line := failure_of_every_rank(error):  # the same on every rank: local rank 0 says it
             if local_rank_0():
                 print(f"error: {line}", file=sys.stderr)
@@ -746,6 +831,24 @@ def one_line_errors():
             traceback.print_exc()
     end_loader_workers()
     sys.exit(status)
+
+
+def killed_worker(error):
+    """The line for a loader worker killed by a signal (most often the out-of-memory killer's SIGKILL), or None."""
+    found = re.search(
+        r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) (?:is killed by signal: ([^.\n]+)|exited unexpectedly)",
+        str(error),
+    )
+    if not found:
+        return None
+    how = f"was killed by a signal ({found[2]})" if found[2] else "ended unexpectedly"
+    if found[2] == "Killed":
+        how = "was killed by SIGKILL, most likely by the out-of-memory killer (dmesg says which)"
+    again = f" --output-dir {_RUN_DIR['folder']}" if "folder" in _RUN_DIR else ""
+    return (
+        f"a data loader worker of rank {os.environ.get('RANK', 0)} (pid {found[1]}) {how}: lower --workers or "
+        f"--batch-size, then continue with --resume auto{again}"
+    )
 
 
 def failure_of_every_rank(error):
@@ -816,6 +919,47 @@ def end_loader_workers():
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
+
+
+class StopOnSignal:
+    """A stop signal is noted, not acted on at once: the loop stops at the next step or after the evaluation, saves
+    there and ends in one line. Schedulers send SIGTERM (then SIGKILL after a grace period), terminals SIGINT or
+    SIGHUP, to every process of the job. dist_utils.StopOnSignal adds the ranks' vote to agreed()."""
+
+    def __init__(self):
+        self.seen = []  # the signals that reached this process
+        self.signum = 0  # the one it stops on (0: none)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.note)
+
+    def note(self, signum, frame):
+        self.seen.append(signum)
+
+    def __bool__(self):
+        """Whether a signal reached this process."""
+        return bool(self.seen)
+
+    def agreed(self):
+        """The signal to stop on (0: none): in one process, the last one it has seen."""
+        self.signum = self.seen[-1] if self.seen else 0
+        return self.signum
+
+    def exit(self, step, output_dir):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
+                f"with --resume auto --output-dir {output_dir}",
+                flush=True,
+            )
+        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+
+
+def ignore_stop_signals(worker_id):
+    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
+    its process down with it. The training process decides; workers still exit when it dies."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
 
 
 _SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its prefetch factor, its batches in /dev/shm)

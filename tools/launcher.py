@@ -9,18 +9,21 @@ drops its own report):
     python tools/launcher.py filter OUT_FIFO ERR_FIFO LOG
         pass the job's output on, leaving out the launcher's own report where the job already said what happened:
         its traceback for a signal (the ranks printed `stopped by ...`), its failure report (an `E...` log line, a
-        ChildFailedError traceback and its "Root Cause" box) once a rank printed its one `error:` line, and a
-        rendezvous failure's frames, for which it prints one line. Any other traceback is shown whole. LOG gets the
-        whole stderr, kept (and named in one line) only when something not a signal report was left out: moved into
-        the run folder (launcher.log) once rank 0 has named it ("output in DIR"), else left where it is. Exits with
-        the number of the signal that stopped the agent (0 if none). Failed writes (a closed terminal, a broken
-        pipe) are dropped and it reads on, so that the ranks can still save and end.
+        ChildFailedError traceback and its "Root Cause" box) once a rank printed its one `error:` line or its
+        `stopped by ...` line (a signal that reached the ranks alone), a rendezvous failure's frames, for which it
+        prints one line, and the report of a rank killed by a signal (the out-of-memory killer's SIGKILL), for
+        which it prints one line naming the rank. Any other traceback is shown whole. LOG gets the whole stderr,
+        kept (and named in one line) only when something not a signal report was left out: moved into the run
+        folder (launcher.log) once rank 0 has named it ("output in DIR"), else left where it is. Exits with the
+        number of the signal that stopped the agent, or the ranks (0 if none). Failed writes (a closed terminal, a
+        broken pipe) are dropped and it reads on, so that the ranks can still save and end.
 """
 
 import os
 import re
 import selectors
 import shutil
+import signal
 import sys
 
 TRACEBACK = "Traceback (most recent call last):"
@@ -35,6 +38,9 @@ SIGNAL = re.compile(r"torch\S*SignalException: Process \d+ got signal: (\d+)$")
 RENDEZVOUS = re.compile(r"torch\S*\.(Rendezvous\w*Error)\b")
 CHILD_FAILED = re.compile(r"torch\S*\.ChildFailedError:")
 RUN_FOLDER = re.compile(r"; output in (.+)$")  # rank 0's header line
+STOPPED = re.compile(r"stopped by (SIG[A-Z]+) after step ")  # the ranks' line after a stop (utils.StopOnSignal)
+# ChildFailedError's box: the first failure's rank, and its exit code (negative: the signal that ended it) and pid
+ROOT_CAUSE = re.compile(r"Root Cause.*?\n\s+rank\s+: (\d+).*?\n\s+exitcode\s+: (-?\d+) \(pid: (\d+)\)", re.S)
 
 
 def tie(parent, command):
@@ -81,6 +87,8 @@ class Filter:
         self.detail = ""  # what caused it
         self.rules = 0  # the lines of "=" seen of ChildFailedError's box
         self.run_folder = None  # where the job writes, once rank 0's header said it
+        self.stopped = 0  # the signal the ranks stopped on, from their `stopped by` line
+        self.killed = None  # (rank, pid, signal name) of a rank that a signal ended
 
     def line(self, line):
         self.log.write(line)
@@ -135,15 +143,19 @@ class Filter:
             if rendezvous := RENDEZVOUS.match(chain[-1]):
                 self.rendezvous = rendezvous.group(1)
                 self.detail = chain[0].partition(": ")[2] if chain[1:] else ""  # its cause, if any, says what failed
-            elif signal := SIGNAL.match(chain[-1]):
-                self.signal = int(signal.group(1))
+            elif agent_signal := SIGNAL.match(chain[-1]):
+                self.signal = int(agent_signal.group(1))
                 stopped = True
+        box = ROOT_CAUSE.search("".join(held))
         if self.rendezvous:
             self.left_out = "rendezvous"
-        elif stopped:
-            pass  # the agent's report of the signal that stopped it: the ranks said so already
+        elif stopped or self.stopped:
+            pass  # the report of the signal that stopped the agent, or the ranks: they said so already
         elif self.explained:
             self.left_out = self.left_out or "explained"
+        elif box and int(box[2]) < 0:  # a rank that a signal ended said nothing: this line says it
+            self.killed = (box[1], box[3], signal.Signals(-int(box[2])).name)
+            self.left_out = "killed"
         else:
             self.err.write("".join(held))
 
@@ -153,6 +165,14 @@ def close_report(flt, log_path):
     if flt.left_out is None:
         os.unlink(log_path)
         return
+    if flt.left_out == "killed":
+        rank, pid, name = flt.killed
+        why = ", most likely by the out-of-memory killer (dmesg says which)" if name == "SIGKILL" else ""
+        again = f" --output-dir {flt.run_folder}" if flt.run_folder else ""
+        flt.err.write(
+            f"run.sh: rank {rank} (pid {pid}) was killed by {name}{why}: lower --batch-size or --workers, then "
+            f"continue with --resume auto{again}\n"
+        )
     if flt.left_out == "rendezvous":
         env = os.environ.get
         where = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}"
@@ -213,10 +233,12 @@ def filter_streams(out_fifo, err_fifo, log_path):
                         flt.flush()  # the job is talking: a group of the launcher's lines is complete
                     if flt.run_folder is None and (named := RUN_FOLDER.search(text.rstrip("\n"))):
                         flt.run_folder = named[1]
+                    if stopped := STOPPED.match(text):
+                        flt.stopped = signal.Signals[stopped[1]]
                     out.write(text)
         flt.flush()
     close_report(flt, log_path)
-    return flt.signal
+    return flt.signal or flt.stopped
 
 
 def main(argv):

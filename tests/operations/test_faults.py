@@ -22,6 +22,7 @@ from support import (
     FAST,
     REPO,
     assert_job_gone,
+    children,
     finish,
     job_env,
     ranks,
@@ -531,3 +532,57 @@ def test_a_resume_with_other_trained_parameters_is_one_line(ddp_killed, fsdp_kil
             line.startswith("error: --resume: the checkpoint's optimizer state is for other trained parameters")
             and "--weights" in line
         ), (mode, line)
+
+
+def test_an_out_of_memory_kill_of_a_loader_worker_or_a_rank_is_one_line_naming_it(tiny_data, tmp_path):
+    """The OOM killer's SIGKILL, simulated, under bash run.sh ddp 2 with the defaults, after the first step: first
+    to a training loader worker of rank 1 (its usual pick: the one that grows), then to rank 1 itself. Each ends the
+    job in one line that names the process, the signal and the likely out-of-memory kill, and what to lower: the
+    worker's from its rank, the rank's from run.sh (torchrun's 31-line report is the only other word of it, kept in
+    the run folder's launcher.log); no traceback, no process left behind (before: 66 lines and 2 tracebacks with no
+    word of memory, and the 31-line report)."""
+    for victim in ("worker", "rank"):
+        folder = tmp_path / victim
+        job, lines = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", folder), []
+        killed = None
+        if read_until(job, lines, "  step "):
+            rank1 = ranks(job)[1]
+            killed = max(children(rank1)) if victim == "worker" else rank1  # its training worker: forked last
+            os.kill(killed, signal.SIGKILL)
+        output = finish(job, lines, timeout=90)
+        assert killed, output[-3000:]
+        said = [line for line in output.splitlines() if "killed by SIGKILL" in line]
+        if victim == "worker":
+            assert said == [
+                f"error: a data loader worker of rank 1 (pid {killed}) was killed by SIGKILL, most likely by the "
+                f"out-of-memory killer (dmesg says which): lower --workers or --batch-size, then continue with "
+                f"--resume auto --output-dir {folder}"
+            ], output[-3000:]
+        else:
+            assert said == [
+                f"run.sh: rank 1 (pid {killed}) was killed by SIGKILL, most likely by the out-of-memory killer "
+                f"(dmesg says which): lower --batch-size or --workers, then continue with --resume auto "
+                f"--output-dir {folder}"
+            ], output[-3000:]
+            assert (folder / "launcher.log").is_file()  # torchrun's own report, kept
+        assert job.returncode == 1 and "Traceback" not in output and "Root Cause" not in output, output[-3000:]
+        assert_job_gone(job.token)
+
+
+def test_a_stop_that_reaches_one_rank_alone_stops_the_job_and_no_restart_undoes_it(tiny_data, tmp_path):
+    """SIGINT to rank 1 alone (not the launcher) under bash run.sh ddp 2 with torchrun --max-restarts=1: the ranks
+    agree to stop, rank 0 saves, one `stopped by` line, and the job ends with 130 (128 + SIGINT) and nothing else:
+    torchrun takes the ranks' exit for a failure and restarts them, and the restarted ranks end at once, training
+    nothing (before: the restart resumed and trained to the end; without restarts, a stop of one rank ended in
+    torchrun's 31-line report and exit 1)."""
+    env = job_env(TORCHRUN_ARGS="--max-restarts=1")
+    job, lines = start_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path, env=env), []
+    if read_until(job, lines, "  step "):
+        os.kill(ranks(job)[1], signal.SIGINT)
+    output = finish(job, lines, timeout=180)
+    stops = [line for line in output.splitlines() if line.startswith("stopped by")]
+    assert job.returncode == 130 and len(stops) == 1 and stops[0].startswith("stopped by SIGINT after step "), output
+    assert output.rstrip().splitlines()[-1] == stops[0] and "Traceback" not in output, output[-3000:]
+    assert "resuming from" not in output and not (tmp_path / "results.json").exists(), output[-3000:]
+    step = int(stops[0].split("after step ")[1].split(":")[0])
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["samples"] == 16 * step  # what it stopped at

@@ -336,3 +336,37 @@ def test_run_sh_leaves_out_the_agents_signal_report_and_nothing_else(tmp_path, r
     job = run_sh("ddp", 1, env=dict(job_env(), PYTHON=str(launcher)), timeout=60)
     assert job.returncode == status, job.stderr
     assert job.stderr == ("" if status == 143 else report), job.stderr
+
+
+@pytest.mark.parametrize("mode", ["single", "launch"])
+def test_a_one_process_job_and_a_launch_job_stop_save_and_resume_bitwise(mode, default_ddp, tiny_data, tmp_path):
+    """bash run.sh single (a one-GPU job) stopped as a scheduler preempts it (SIGTERM to every process of the job,
+    loader workers included), then as a closed ssh session stops it (SIGHUP), each after the job's own first step;
+    bash run.sh launch 2 (torch.distributed.launch) stopped by SIGTERM: each stop saves after its step and ends in
+    one line with 128 + the signal, no temporary file left, and the last --resume auto ends with the uninterrupted
+    weights (single: its own run; launch: the torchrun rung's, the same arithmetic). Before: no line, no save."""
+    args = [mode, *([2] if mode == "launch" else []), *DEFAULTS, "--data-path", tiny_data]
+    if mode == "single":
+        reference = tmp_path / "whole"
+        ok(run_sh(*args, "--output-dir", reference))
+    else:
+        reference = default_ddp
+    folder, stopped_after = tmp_path / "run", 0
+    for signum in (signal.SIGTERM, signal.SIGHUP) if mode == "single" else (signal.SIGTERM,):
+        resume = ["--resume", "auto"] if stopped_after else []
+        job, lines = start_sh(*args, "--output-dir", folder, *resume), []
+        if read_until(job, lines, "  step "):
+            deliver(job, "every process", signum)
+        output = finish(job, lines, timeout=60)
+        stops = [line for line in output.splitlines() if line.startswith("stopped by")]
+        assert job.returncode == 128 + signum and len(stops) == 1, (signum, job.returncode, output[-3000:])
+        assert stops[0].startswith(f"stopped by {signal.Signals(signum).name} after step "), output[-3000:]
+        assert output.rstrip().splitlines()[-1] == stops[0] and "Traceback" not in output, output[-3000:]
+        assert not list(folder.glob(".*.tmp")) and not (folder / "results.json").exists()
+        step = int(stops[0].split("after step ")[1].split(":")[0])
+        assert step > stopped_after, (stopped_after, output[-3000:])
+        stopped_after = step
+        assert_job_gone(job.token)
+    resumed = ok(run_sh(*args, "--output-dir", folder, "--resume", "auto"))
+    assert_resumed_after(resumed.stdout, step=stopped_after)
+    assert_same_weights(load_model_state(folder / "last.pt"), load_model_state(reference / "last.pt"))

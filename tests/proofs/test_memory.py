@@ -1,10 +1,14 @@
 """builtin.FileList: the file list that forked DataLoader workers read without copying it."""
 
 import os
+import subprocess
+import sys
+import zipfile
 
 import pytest
 
 import builtin
+from support import REPO, job_env
 
 
 def imagenet_like(count, classes=1000):
@@ -63,3 +67,51 @@ def test_forked_worker_reads_samples_without_copying_them():
     os.waitpid(pid, 0)
     assert int(total) > 300_000 * 40  # the child really read the paths
     assert float(growth) < 8, f"the child copied {float(growth):.1f} MB of the parent's memory"
+
+
+READ_IN_A_PROCESS = """if True:
+    import resource, sys
+    sys.path.insert(0, sys.argv[1])
+    import builtin, utils
+    try:
+        builtin.decode_image(sys.argv[2]) if sys.argv[2].endswith(".jpg") else utils.load_file(sys.argv[2], "--resume")
+        print("read")
+    except utils.UsageError as refused:
+        print(refused)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)  # peak resident MiB
+"""
+
+
+def test_a_file_that_would_take_gigabytes_is_refused_within_what_it_may_hold(tmp_path):
+    """Memory stays bounded by what a file may honestly hold, measured as the peak resident size of a process that
+    reads it: a 2 GiB file named .jpg whose header says 40 x 30 pixels (before: read whole, twice, 5.1 GB before its
+    refusal) is refused from its header and its size; a 5 MiB checkpoint whose one compressed entry inflates to
+    1 GiB (before: 6.6 GB and 130 s for a 5.8 MB one) is refused from the zip's directory. Each peak stays under
+    1200 MiB (torch and torchvision imported, the CUDA build's libraries loaded: about 700), where reading either
+    would pass 1.7 GiB."""
+    from PIL import Image
+
+    image = tmp_path / "big.jpg"
+    Image.new("RGB", (40, 30), "red").save(image)
+    with open(image, "r+b") as file:
+        file.truncate(2 << 30)  # sparse: no disk used for the zeros
+    crafted = tmp_path / "last.pt"
+    with zipfile.ZipFile(crafted, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        with archive.open("archive/data/0", "w", force_zip64=True) as entry:
+            zeros = bytes(64 << 20)
+            for _ in range(16):  # 1 GiB, written as it is compressed
+                entry.write(zeros)
+    assert crafted.stat().st_size < 8 << 20
+    for path, words in (
+        (image, f"image {image} is 2048 MiB for 40 x 30 pixels, more than an image of that size holds"),
+        (crafted, f"--resume {crafted}: its entry archive/data/0 would inflate to 1073741824 bytes from "),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", READ_IN_A_PROCESS, str(REPO), str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=job_env(),
+        )
+        said, peak = proc.stdout.splitlines()[-2:]
+        assert said.startswith(words) and int(peak) < 1200, (said, peak, proc.stderr[-2000:])

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy
@@ -546,6 +547,54 @@ def load(run, name, state):
         dcp.load(state, storage_reader=reader, planner=reader.planner)
 
 
+def test_a_shard_cut_short_is_one_line_naming_best_pt(sharded, tmp_path):
+    """A copy of the run folder whose shard file is cut to half (a full disk, an interrupted copy): the reader names
+    the shard and best.pt before dcp.load reads anything (before: 141 lines and 5 tracebacks, no word of best.pt)."""
+    run, _ = sharded
+    shutil.copytree(run, tmp_path / "run")
+    (tmp_path / "run" / "best.pt").write_bytes(b"")
+    shard = next((tmp_path / "run" / "last-step1-1.dcp").glob("*.distcp"))
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    with pytest.raises(utils.UsageError) as refused:
+        fsdp_utils.sharded_checkpoint(tmp_path / "run", "last-step1-1.dcp")
+    assert str(refused.value).startswith(f"--resume: the shard last-step1-1.dcp/{shard.name} is cut short or missing")
+    assert str(refused.value).endswith(
+        f"; {tmp_path / 'run' / 'best.pt'} holds the best epoch's weights: start from them with --weights "
+        f"{tmp_path / 'run' / 'best.pt'}"
+    )
+
+
+def test_a_flipped_bit_or_an_entry_that_would_inflate_is_refused_before_torch_load(tmp_path):
+    """A checkpoint's entries are checked against the zip's directory and their CRCs before torch.load trusts them:
+    one flipped bit in a tensor's data (which torch.load loads without a word) names the entry and the intact
+    best.pt; an entry stored compressed, as no torch.save writes (a crafted file that would inflate gigabytes in
+    memory), is refused unread."""
+    torch.save({"model": {"w": torch.arange(1000.0)}}, tmp_path / "last.pt")
+    shutil.copy(tmp_path / "last.pt", tmp_path / "best.pt")
+    data = bytearray((tmp_path / "last.pt").read_bytes())
+    at = bytes(data).index(torch.arange(1000.0).numpy().tobytes()[400:416])  # inside the tensor's bytes
+    data[at] ^= 0x10
+    (tmp_path / "last.pt").write_bytes(data)
+    assert not torch.equal(torch.load(tmp_path / "last.pt", weights_only=True)["model"]["w"], torch.arange(1000.0))
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_file(tmp_path / "last.pt", "--resume")
+    assert str(refused.value) == (
+        f"--resume {tmp_path / 'last.pt'}: damaged (last/data/0 fails its CRC check); {tmp_path / 'best.pt'} is "
+        f"intact: continue from it with --resume {tmp_path / 'best.pt'}, or start from its weights with --weights "
+        f"{tmp_path / 'best.pt'}"
+    )
+    with zipfile.ZipFile(tmp_path / "inflates.pt", "w", zipfile.ZIP_DEFLATED) as crafted:
+        crafted.writestr("archive/data.pkl", b"\0" * (8 << 20))
+    with pytest.raises(utils.UsageError) as refused:
+        utils.load_file(tmp_path / "inflates.pt", "--resume")
+    assert str(refused.value).startswith(
+        f"--resume {tmp_path / 'inflates.pt'}: its entry archive/data.pkl would inflate to 8388608 bytes from "
+    ) and str(refused.value).endswith(
+        "(torch.save stores, never compresses): not a checkpoint of these scripts, refused unread"
+    )
+
+
 def test_the_safe_reader_loads_what_fsdp_saved(sharded):
     run, state = sharded
     loaded = state(0.5)
@@ -643,6 +692,91 @@ def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
     utils._RUN_DIR.pop("lock").close()
 
 
+def args_for(output_dir, resume=None, test_only=False):
+    return argparse.Namespace(output_dir=str(output_dir), resume=resume and str(resume), test_only=test_only)
+
+
+def test_a_run_writes_only_where_it_overwrites_nothing_of_another(tmp_path):
+    """utils.resolve_run: an --output-dir that holds files and is not a run folder of these scripts (no .lock) is
+    refused in one line, even for --test-only and a resume from elsewhere; an empty folder, a run folder and the
+    folder of the checkpoint resumed are taken (before: someone's best.pt and class_indices.json overwritten)."""
+    someones = tmp_path / "someones"
+    someones.mkdir()
+    for name in ("best.pt", "class_indices.json", "notes.txt", "photo.jpg"):
+        (someones / name).write_text("theirs")
+    for args in (args_for(someones), args_for(someones, test_only=True, resume=tmp_path / "a" / "last.pt")):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / "last.pt").write_text("a checkpoint")
+        with pytest.raises(utils.UsageError) as refused:
+            utils.resolve_run(args, "train_single.py")
+        assert str(refused.value) == (
+            f"--output-dir {someones} holds files (best.pt, class_indices.json, notes.txt, ...) and is not a run "
+            f"folder of these scripts (it has no .lock): choose a new or an empty folder"
+        ), refused.value
+    (tmp_path / "empty").mkdir()
+    assert utils.resolve_run(args_for(tmp_path / "empty"), "x.py") == (tmp_path / "empty", None)
+    (someones / ".lock").write_text("")  # a run folder: a run that stopped before its first checkpoint
+    assert utils.resolve_run(args_for(someones), "x.py") == (someones, None)
+    ours = tmp_path / "a"
+    assert utils.resolve_run(args_for(ours, resume=ours / "last.pt"), "x.py") == (ours, ours / "last.pt")
+
+
+def test_resume_auto_of_a_finished_run_without_its_last_pt_says_what_to_do(tmp_path):
+    (tmp_path / ".lock").write_text("")
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(utils.UsageError) as refused:
+        utils.resolve_run(args_for(tmp_path, resume="auto"), "x.py")
+    assert str(refused.value) == (
+        f"--resume auto: {tmp_path} holds no last.pt to continue, only the results of a run that ended: choose a "
+        f"new --output-dir (to start from its weights: --weights {tmp_path / 'best.pt'})"
+    )
+
+
+def test_a_run_removes_only_its_own_temporary_files(tmp_path):
+    """claim_output_dir removes what a killed job's atomic_write left (.last.pt.<pid>.tmp, ...), nothing else hidden
+    (before: every .*.tmp)."""
+    for name in (".last.pt.123.tmp", ".results.json.9.tmp", ".editor-swap.tmp", ".last.pt.tmp", ".x.1.tmp"):
+        (tmp_path / name).write_text("")
+    utils.claim_output_dir(tmp_path)
+    utils._RUN_DIR.pop("lock").close()
+    assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == [".editor-swap.tmp", ".last.pt.tmp", ".x.1.tmp"]
+
+
+def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checkout_are_one_line(tmp_path, monkeypatch):
+    """An FSDP run's last.pt (its optimizer state names its shards) resumed by another script; RANK, LOCAL_RANK or
+    WORLD_SIZE left in the shell for a one-process script (before: a wrong line about the disk, or nothing and an
+    exit after 10 s, and another rank's randomness); the demo data that cannot be written (a read-only checkout)."""
+    with pytest.raises(utils.UsageError) as refused:
+        utils.optimizer_state({"optimizer": "last-step3-1.dcp"}, tmp_path / "last.pt")
+    assert str(refused.value) == (
+        f"--resume {tmp_path / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in "
+        f"last-step3-1.dcp): continue it with train_fsdp.py (bash run.sh fsdp), or start from its weights with "
+        f"--weights {tmp_path / 'last.pt'}"
+    )
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            env.setattr(sys, "argv", ["train_single.py"])
+            with pytest.raises(utils.OwnError) as refused:
+                utils.require_one_process()
+            assert str(refused.value) == (
+                f"train_single.py runs one process, but {name}={value} is set (a launcher's, left in the shell, or "
+                f"a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
+                f"(bash run.sh ddp)"
+            )
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a launcher of one process: fine
+    utils.require_one_process()
+    (tmp_path / "checkout").write_text("a file where the checkout's data/ would be: mkdir fails as read-only")
+    monkeypatch.setattr(builtin, "DEMO_DIR", tmp_path / "checkout" / "data" / "demo")
+    with pytest.raises(utils.UsageError) as refused:
+        builtin.demo_data()
+    assert str(refused.value) == (
+        f"cannot write the demo data into {tmp_path / 'checkout' / 'data'} (Not a directory): give --data-path (a "
+        f"folder of class folders), or run from a checkout that can be written"
+    )
+
+
 # ------------------------------------------------------------------------------- the lines failures end with
 @pytest.mark.parametrize(
     "error,line",
@@ -683,6 +817,15 @@ def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
             ),
             "error: a BatchNorm layer saw one value per channel in training "
             "(got input size torch.Size([1, 512, 1, 1])): raise --batch-size (images per process) or --img-size",
+        ),
+        (
+            RuntimeError("DataLoader worker (pid 4321) is killed by signal: Killed. "),
+            "error: a data loader worker of rank 0 (pid 4321) was killed by SIGKILL, most likely by the out-of-memory "
+            "killer (dmesg says which): lower --workers or --batch-size, then continue with --resume auto",
+        ),
+        (
+            RuntimeError("DataLoader worker (pid(s) 4321) exited unexpectedly"),
+            "error: a data loader worker of rank 0 (pid 4321) ended unexpectedly: lower --workers or --batch-size",
         ),
         (
             RuntimeError('Error(s) in loading state_dict for Sequential:\n\tMissing key(s) in state_dict: "2.weight".'),
