@@ -191,5 +191,7 @@ wait "$pid" || status=$?
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || status=$?; done  # a trapped signal interrupts wait
 signum=0
 wait "$filter" || signum=$?
-if [ "$status" -ne 0 ] && [ "$signum" -gt 0 ] && [ "$signum" -lt 64 ]; then status=$(( 128 + signum )); fi
+if [ "$status" -ne 0 ] && [ "$status" -lt 128 ] && [ "$signum" -gt 0 ] && [ "$signum" -lt 64 ]; then
+  status=$(( 128 + signum ))  # the signal that stopped the agent, or the ranks (a launcher killed keeps its own)
+fi
 exit "$status"

@@ -968,9 +968,10 @@ _SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its pref
 def start_workers(loader):
     """iter(loader), the stop signals held back while it forks the workers (until they ignore them), after one line
     if /dev/shm is too small for the batches every loader's workers hold there (a pod's 64 MB)."""
-    if loader.num_workers and (key := next(iter(loader.sampler), None)) is not None and os.path.isdir("/dev/shm"):
-        if isinstance(key, tuple):  # SeededItems': (epoch, position, index); a stream's first item is read at once
-            key = (key[0], 0, key[2])
+    if loader.num_workers and len(loader.dataset) and os.path.isdir("/dev/shm"):
+        # The first item's bytes (SeededItems': the key (epoch, position, index)), not the sampler's first: iterating
+        # a sampler draws from its generator (RandomSampler's), which would change the order it then gives
+        key = (0, 0, 0) if isinstance(loader.dataset, SeededItems) else 0
         tensors = torch.utils._pytree.tree_leaves(loader.dataset[key])
         batch = sum(t.nbytes for t in tensors if torch.is_tensor(t)) * loader.batch_size
         # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
