@@ -231,9 +231,10 @@ TERMINAL_MODES = ["single", "dp", "launch"]
 
 @pytest.mark.parametrize("mode", TERMINAL_MODES)
 def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
-    """The rungs without a stop vote: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal sends SIGINT
-    to its foreground process group, loader workers included; `kill -INT` on a background job would interrupt
-    nothing) ends the run with the script's one line, exit 130, no traceback, and no process left."""
+    """The one-process rungs and the launch rung: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal
+    sends SIGINT to its foreground process group, loader workers included; `kill -INT` on a background job would
+    interrupt nothing) stops the run at a step and saves it, with the script's one line, exit 130, no traceback, and
+    no process left (before: a line, and no checkpoint)."""
     folder = tmp_path
     token = uuid.uuid4().hex
     env = job_env(TEST_JOB=token, TERM="dumb")
@@ -282,10 +283,10 @@ def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
     assert pressed, f"no progress line within 180 s:\n{text[-3000:]}"
     assert status is not None, f"still running {time.time() - pressed:.0f} s after Ctrl-C:\n{text[-3000:]}"
     lines = [line for line in text.splitlines() if line.strip()]
-    stops = [line for line in lines if "stopped by Ctrl-C" in line]  # the terminal echoes ^C before it
+    stops = [line for line in lines if "stopped by SIGINT after step " in line]  # the terminal echoes ^C before it
     assert status == 130, text[-3000:]
-    assert len(stops) == 1 and stops[0] == lines[-1], text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
+    assert len(stops) == 1 and stops[0] == lines[-1] and "checkpoint saved" in stops[0], text[-3000:]
+    assert "Traceback" not in text and (folder / "run" / "last.pt").is_file(), text[-3000:]
     assert_job_gone(token)
 
 
