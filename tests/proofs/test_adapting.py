@@ -637,10 +637,12 @@ def build_model(args, num_outputs):
 
 def run_model(model, inputs, targets):
     """torchvision's way: in training the images and their targets, and a dict of losses back; in evaluation the
-    images alone, and each one's detections back."""
+    images alone, and each one's detections back, one image at a time: torchvision pads a batch's images to its
+    largest, so an image's detections would depend on the images that share its batch (which change with the number
+    of processes)."""
     if model.training:
         return model(list(inputs), list(targets))
-    return model(list(inputs))
+    return [detections for image in inputs for detections in model([image])]
 
 
 
