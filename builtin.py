@@ -260,7 +260,7 @@ def decode_image(path, scale=None):
     factor = 1
     try:
         with open(path, "rb") as file:
-            head = file.read(1 << 16)  # a JPEG's frame header is in its first segments
+            head = file.read(1 << 20)  # a JPEG's frame header follows its metadata segments (EXIF, ICC: each < 64 KiB)
             jpeg = jpeg_size(head)  # (height, width), or None: another format
             size = jpeg or header_size(path)
             if size and Image.MAX_IMAGE_PIXELS and size[0] * size[1] > Image.MAX_IMAGE_PIXELS:
