@@ -1,12 +1,14 @@
-"""Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints read without running code from
-them, the bytes each rank's shards hold, an EMA updated shard by shard, and the process group let go of at once on
-every exit."""
+"""Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints checked (each file's CRC, written
+beside them) and read without running code from them, the bytes each rank's shards hold, an EMA updated shard by
+shard, and the process group let go of at once on every exit."""
 
 import contextlib
 import gc
 import io
+import json
 import pickle
 import re
+import zlib
 from pathlib import Path
 
 import torch
@@ -14,7 +16,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
 import dist_utils
-from utils import UsageError, first_line
+from utils import UsageError, first_line, write_json
+
+CHECKSUMS = "checksums.json"  # in a shard folder: each file's size and CRC-32 (torch's shards carry none)
 
 
 @contextlib.contextmanager
@@ -66,6 +70,19 @@ def shard_bytes(model, optimizer):
     }
 
 
+def write_checksums(folder):
+    """CHECKSUMS for the files of a shard folder that dcp.save has finished (every rank's shards written)."""
+    write_json(Path(folder) / CHECKSUMS, {path.name: size_and_crc(path) for path in sorted(Path(folder).iterdir())})
+
+
+def size_and_crc(path):
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return [path.stat().st_size, crc]
+
+
 def sharded_checkpoint(run_dir, name):
     """FSDP: the folder of a last.pt's shards, as a reader for dcp.load that runs no code from it. The name comes from
     last.pt: it must be a folder of the same run folder."""
@@ -107,6 +124,17 @@ class SafeReader(dcp.FileSystemReader):
 
     def __init__(self, folder):
         super().__init__(folder)
+        best = Path(folder).parent / "best.pt"
+        fallback = f"; {best} holds the best epoch's weights: start from them with --weights {best}"
+        fallback = fallback if best.is_file() else ""
+        if (Path(folder) / CHECKSUMS).is_file():  # (a folder written before they were: its metadata is checked below)
+            for name, expected in json.loads((Path(folder) / CHECKSUMS).read_text()).items():
+                path = Path(folder) / Path(name).name
+                if not path.is_file() or size_and_crc(path) != expected:
+                    raise UsageError(
+                        f"--resume: the shard file {Path(folder).name}/{path.name} is damaged or missing (its size "
+                        f"or CRC is not the one written beside it){fallback}"
+                    )
         try:
             with open(Path(folder) / ".metadata", "rb") as f:
                 self.metadata = self.Unpickler(f).load()
@@ -127,11 +155,9 @@ class SafeReader(dcp.FileSystemReader):
             if name not in sizes:
                 sizes[name] = (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else -1
             if info.offset + info.length > sizes[name]:
-                best = Path(folder).parent / "best.pt"
-                fallback = f"; {best} holds the best epoch's weights: start from them with --weights {best}"
                 raise UsageError(
                     f"--resume: the shard {Path(folder).name}/{name} is cut short or missing ({max(sizes[name], 0)} "
-                    f"bytes, its pieces reach {info.offset + info.length})" + (fallback if best.is_file() else "")
+                    f"bytes, its pieces reach {info.offset + info.length}){fallback}"
                 )
         self.planner = SafeLoadPlanner()
 

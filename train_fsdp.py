@@ -337,6 +337,7 @@ def main(args):
         full_ema = None if ema is None else get_model_state_dict(ema, options=whole)
         if rank > 0:
             return
+        fsdp_utils.write_checksums(folder[0])  # each shard file's CRC, checked on resume (torch's carry none)
         checkpoint = {
             "model": full,
             "ema": full_ema,

@@ -565,6 +565,27 @@ def test_a_shard_cut_short_is_one_line_naming_best_pt(sharded, tmp_path):
     )
 
 
+def test_a_flipped_bit_in_a_shard_is_one_line_naming_best_pt(sharded, tmp_path):
+    """The CRC of each file of a shard folder, written beside them as train_fsdp.py writes them once dcp.save is done:
+    one flipped bit in a shard (which dcp.load would load without a word) names the file and best.pt."""
+    run, state = sharded
+    shutil.copytree(run, tmp_path / "run")
+    (tmp_path / "run" / "best.pt").write_bytes(b"")
+    fsdp_utils.write_checksums(tmp_path / "run" / "last-step1-1.dcp")
+    load(tmp_path / "run", "last-step1-1.dcp", state(0.5))  # intact: it loads
+    shard = next((tmp_path / "run" / "last-step1-1.dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(data)
+    with pytest.raises(utils.UsageError) as refused:
+        fsdp_utils.sharded_checkpoint(tmp_path / "run", "last-step1-1.dcp")
+    assert str(refused.value) == (
+        f"--resume: the shard file last-step1-1.dcp/{shard.name} is damaged or missing (its size or CRC is not the "
+        f"one written beside it); {tmp_path / 'run' / 'best.pt'} holds the best epoch's weights: start from them "
+        f"with --weights {tmp_path / 'run' / 'best.pt'}"
+    )
+
+
 def test_a_flipped_bit_or_an_entry_that_would_inflate_is_refused_before_torch_load(tmp_path):
     """A checkpoint's entries are checked against the zip's directory and their CRCs before torch.load trusts them:
     one flipped bit in a tensor's data (which torch.load loads without a word) names the entry and the intact
