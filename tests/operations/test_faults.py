@@ -27,6 +27,7 @@ from support import (
     job_env,
     ranks,
     read_until,
+    run,
     run_sh,
     start,
     start_sh,
@@ -586,3 +587,36 @@ def test_a_stop_that_reaches_one_rank_alone_stops_the_job_and_no_restart_undoes_
     assert "resuming from" not in output and not (tmp_path / "results.json").exists(), output[-3000:]
     step = int(stops[0].split("after step ")[1].split(":")[0])
     assert torch.load(tmp_path / "last.pt", weights_only=True)["samples"] == 16 * step  # what it stopped at
+
+
+def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checkout_end_in_one_line(
+    fsdp_references, tiny_data, tmp_path
+):
+    """As an operator meets them, each in one line with the next step, from one process, within seconds: a finished
+    FSDP run's folder resumed by the torchrun rung (before: about 80 lines and an AttributeError from every rank);
+    RANK=1 and LOCAL_RANK=1 left in the shell under bash run.sh single (before: a wrong line about the disk, or
+    nothing and an exit after 10 s); a checkout whose data/ cannot hold the demo data (a file in its place, as a
+    read-only root is to the script; before: 39 lines)."""
+    shutil.copytree(fsdp_references["bn"], tmp_path / "fsdp")
+    ended = [
+        run_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "fsdp", "--resume", "auto")
+    ]
+    for name in ("RANK", "LOCAL_RANK"):
+        env = job_env(**{name: "1"})
+        ended.append(run_sh("single", *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / name, env=env))
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("train_single.py", "utils.py", "builtin.py"):
+        shutil.copy(REPO / name, checkout)
+    (checkout / "data").write_text("not a folder: data/demo cannot be made here")
+    ended.append(run([sys.executable, "train_single.py", *DEFAULTS, "--output-dir", tmp_path / "demo"], cwd=checkout))
+    expected = [
+        f"error: --resume {tmp_path / 'fsdp' / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in ",
+        "error: train_single.py runs one process, but RANK=1 is set (a launcher's, left in the shell, or a launcher",
+        "error: train_single.py runs one process, but LOCAL_RANK=1 is set (a launcher's, left in the shell, or a",
+        f"error: cannot write the demo data into {checkout / 'data'} (Not a directory): give --data-path",
+    ]
+    for proc, words in zip(ended, expected):
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1 and errors[0].startswith(words), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and proc.seconds < 60, (proc.seconds, proc.stderr[-3000:])
