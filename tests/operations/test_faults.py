@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import torch
@@ -594,6 +595,8 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
 ):
     """As an operator meets them, each in one line with the next step, from one process, within seconds: a finished
     FSDP run's folder resumed by the torchrun rung (before: about 80 lines and an AttributeError from every rank);
+    the same run's last.pt with one bit of a weight flipped, resumed (before: it loaded without a word, and the next
+    --resume auto loaded it again);
     RANK=1 and LOCAL_RANK=1 left in the shell under bash run.sh single (before: a wrong line about the disk, or
     nothing and an exit after 10 s); a checkout whose data/ cannot hold the demo data (a file in its place, as a
     read-only root is to the script; before: 39 lines)."""
@@ -601,6 +604,16 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
     ended = [
         run_sh("ddp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "fsdp", "--resume", "auto")
     ]
+    shutil.copytree(fsdp_references["bn"], tmp_path / "flipped")  # one bit of a weight of its last.pt flipped
+    last = tmp_path / "flipped" / "last.pt"
+    with zipfile.ZipFile(last) as archive:
+        weights = max(archive.infolist(), key=lambda entry: entry.file_size)  # a tensor's bytes, stored
+    data = bytearray(last.read_bytes())
+    data[weights.header_offset + weights.compress_size // 2] ^= 0x40
+    last.write_bytes(data)
+    ended.append(
+        run_sh("fsdp", 2, *DEFAULTS, "--data-path", tiny_data, "--output-dir", last.parent, "--resume", "auto")
+    )
     for name in ("RANK", "LOCAL_RANK"):
         env = job_env(**{name: "1"})
         ended.append(run_sh("single", *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / name, env=env))
@@ -612,6 +625,8 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
     ended.append(run([sys.executable, "train_single.py", *DEFAULTS, "--output-dir", tmp_path / "demo"], cwd=checkout))
     expected = [
         f"error: --resume {tmp_path / 'fsdp' / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in ",
+        f"error: --resume {last}: damaged ({weights.filename[-60:]} fails its CRC check); {last.parent / 'best.pt'} is "
+        f"intact: continue from it",
         "error: train_single.py runs one process, but RANK=1 is set (a launcher's, left in the shell, or a launcher",
         "error: train_single.py runs one process, but LOCAL_RANK=1 is set (a launcher's, left in the shell, or a",
         f"error: cannot write the demo data into {checkout / 'data'} (Not a directory): give --data-path",
