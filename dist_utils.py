@@ -2,6 +2,7 @@
 restarts, the ranks' checks, stop vote and error exit, the run folder claimed for all ranks, the autocast dtype.
 FSDP's own helpers are in fsdp_utils.py."""
 
+import argparse
 import contextlib
 import datetime
 import os
@@ -66,23 +67,46 @@ def require_launcher(launcher):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, about the parent process
 
 
-def resume_if_restarted(args, script):
-    """torchrun --max-restarts reruns the command after a failure: continue this job's last.pt, in the same folder
-    (named after the run id unless given). Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT:
-    each node's agent counts only its own failures. Returns the run id."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        args.output_dir = args.output_dir or f"runs/{Path(script).stem}-{run_id}"
-        stopped = Path(args.output_dir) / ".stopped"  # (a requeued SLURM job may have the run id of the stopped one)
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
-            with contextlib.suppress(OSError):  # (a folder that cannot be written: claim_output_dir says so)
-                stopped.unlink(missing_ok=True)
-        elif stopped.is_file() and stopped.read_text().split()[0] == run_id:
-            sys.exit(128 + int(stopped.read_text().split()[1]))  # a stop of this job (said), taken for a failure
-        last = Path(args.output_dir) / "last.pt"
-        if last.exists() and load_file(last, "--resume").get("run_id") == run_id:
-            args.resume = "auto"
-    return run_id
+class Run(utils.Run):
+    """utils.Run for the ranks of a job: global rank 0 claims the folder and every rank learns its outcome. With
+    restarts=True: torchrun --max-restarts reruns the command after a failure, and the rerun continues this job's
+    last.pt, in the same folder (named after the run id unless given)."""
+
+    def __init__(self, args, script, metrics, restarts=False):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if restarts and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            args = restarted(args, script, run_id)
+        super().__init__(args, script, metrics, run_id)
+
+    def claim(self):
+        """utils.Run.claim() by global rank 0, its outcome told to every rank: a second job into the folder, or a
+        folder that cannot be written, ends every rank alike, in one line from one of them."""
+        error = [None]
+        try:
+            super().claim()  # global rank 0 holds the folder; the others only note it
+        except UsageError as failure:
+            error = [str(failure)]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise UsageError(error[0])
+
+
+def restarted(args, script, run_id):
+    """The arguments of a job under torchrun --max-restarts, a copy: its folder, and --resume auto where its last.pt
+    is this job's. Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT: each node's agent counts
+    only its own failures. A job that was stopped (.stopped, written by StopOnSignal.exit) ends here at once."""
+    output_dir = Path(args.output_dir or f"runs/{Path(script).stem}-{run_id}")
+    stopped = output_dir / ".stopped"  # (a requeued SLURM job may have the run id of the stopped one)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        with contextlib.suppress(OSError):  # (a folder that cannot be written: Run.claim says so)
+            stopped.unlink(missing_ok=True)
+    elif stopped.is_file() and stopped.read_text().split()[0] == run_id:
+        sys.exit(128 + int(stopped.read_text().split()[1]))  # a stop of this job (said), taken for a failure
+    last = output_dir / "last.pt"
+    ours = last.exists() and load_file(last, "--resume").get("run_id") == run_id
+    return argparse.Namespace(
+        **{**vars(args), "output_dir": str(output_dir), "resume": "auto" if ours else args.resume}
+    )
 
 
 def restart_safe_store(timeout):
@@ -185,19 +209,6 @@ def check_replicas(model):
         )
 
 
-def claim_output_dir(output_dir):
-    """utils.claim_output_dir() by global rank 0, its outcome told to every rank: a second job into the folder, or a
-    folder that cannot be written, ends every rank alike, in one line from one of them."""
-    error = [None]
-    try:
-        utils.claim_output_dir(output_dir)  # global rank 0 holds the folder; the others only note it
-    except UsageError as failure:
-        error = [str(failure)]
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-
-
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
 TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
 # gloo's and NCCL's: a RuntimeError
@@ -264,7 +275,7 @@ class StopOnSignal(utils.StopOnSignal):
     def exit(self, step, output_dir):
         """utils.StopOnSignal.exit. Under torchrun --max-restarts, a stop that only the ranks saw (not the launcher)
         looks to torchrun like a failure, and it would restart the job: the restarted ranks find .stopped and end
-        at once (resume_if_restarted), so the stop stays one."""
+        at once (restarted()), so the stop stays one."""
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and int(os.environ.get("RANK", 0)) == 0:
             (Path(output_dir) / ".stopped").write_text(f"{os.environ['TORCHELASTIC_RUN_ID']} {self.signum}\n")
         super().exit(step, output_dir)

@@ -8,7 +8,6 @@ and 128 + the signal (143 for SIGTERM), as schedulers that requeue expect.
 
 import contextlib
 import os
-import time
 from datetime import timedelta
 
 import torch
@@ -155,13 +154,12 @@ class Metrics:
 
 
 def main(args):
-    start_time = time.time()
     dist_utils.require_launcher("torchrun")
-    utils.check_args(args)
+    args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    run_id = dist_utils.resume_if_restarted(args, __file__)  # torchrun --max-restarts: this job's last.pt, if any
-    output_dir, resume = utils.resolve_run(args, __file__)
+    # Its folder and what it resumes; torchrun --max-restarts reruns a failed job, which continues its own last.pt
+    run = dist_utils.Run(args, __file__, Metrics, restarts=True)
 
     # One process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -185,41 +183,24 @@ def main(args):
     train_set, val_set, classes = build_datasets(args)
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
-    pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
+    loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
-    # drop_last: every rank gets the same number of batches, so no rank waits for a missing all-reduce.
+    # drop_last: the ranks' batches all full, the same number on each; without it the last ones repeat samples.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(
         utils.SeededItems(train_set, args.seed),
         args.batch_size,
         sampler=utils.EpochSampler(train_sampler),
         collate_fn=collate,
-        num_workers=args.workers,
         drop_last=True,
-        pin_memory=pin,
-        persistent_workers=args.workers > 0,
-        worker_init_fn=utils.ignore_stop_signals,
+        **loading,
     )
     # Exact evaluation: each rank scores its own slice, nothing padded (DistributedSampler would repeat samples).
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
-    # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
-    # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
-    val_loader = DataLoader(
-        val_slice,
-        args.batch_size,
-        collate_fn=utils.Counted(collate),  # (samples, batch): the loss and count weigh samples
-        num_workers=args.workers,
-        pin_memory=pin,
-        persistent_workers=args.workers > 0,
-        worker_init_fn=utils.ignore_stop_signals,
-    )
+    # (samples, batch): the loss and count weigh samples. Its workers forked now, before training starts threads.
+    val_loader = DataLoader(val_slice, args.batch_size, collate_fn=utils.Counted(collate), **loading)
     utils.start_workers(val_loader)
-    steps_per_epoch = len(train_loader) // args.accum_steps  # optimizer steps
-    if steps_per_epoch == 0 and not args.test_only:
-        raise utils.UsageError(
-            f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps} is more than the "
-            f"training images per process ({len(train_loader.sampler)}); lower either"
-        )
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)  # optimizer steps: batches / --accum-steps
 
     # Model
     torch.manual_seed(args.seed)
@@ -227,27 +208,16 @@ def main(args):
         model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     ema = build_ema(args, model)  # an average of the weights, or None
-    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
     global_batch = args.batch_size * world_size * args.accum_steps
     position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
-    best = None  # the best value of the metric that best.pt follows
-    checkpoint = utils.load_checkpoint(resume, classes) if resume else None
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        if ema is not None and checkpoint.get("ema"):
-            ema.load_state_dict(checkpoint["ema"])
-        if not args.test_only:
-            position.load_state_dict(checkpoint)
-            best = checkpoint["best"]
+    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
+    checkpoint = run.load(classes, model, ema, position)
     set_trainable(args, model, position.epoch)  # the parameters that train in the epoch it starts in
     if args.sync_bn and device.type != "cpu" and world_size > 1:
         # Before wrapping: BatchNorm statistics over the global batch instead of each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn and rank == 0:
-        print(
-            "warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm does not run on a CPU); using plain "
-            "BatchNorm"
-        )
+        print("warning: --sync-bn needs GPUs and 2+ processes (SyncBatchNorm has no CPU kernels): plain BatchNorm")
     if device.type == "cuda":  # tensor cores read channels-last (NHWC) images: no layout change per convolution
         model = model.to(memory_format=torch.channels_last)
     # Move to the device first, then wrap: DDP copies rank 0's weights to every rank and all-reduces the gradients.
@@ -262,71 +232,39 @@ def main(args):
     schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
     # fp16 has a narrow range: scale the loss up so small gradients do not flush to zero. bf16 needs no scaler.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    resumed = ""
-    if checkpoint and not args.test_only:
-        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
+    run.add_state(scaler=scaler)  # saved in each checkpoint beside the model's and the optimizer's
+    if checkpoint:
+        optimizer.load_state_dict(run.optimizer_state(checkpoint))
         if checkpoint.get("scaler"):  # else (bf16, or a checkpoint of the torchrun rung) a fresh scaler
             scaler.load_state_dict(checkpoint["scaler"])
-        resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
     # Every rank must train on the same data from the same point (each node may read its own disk): compare.
     dist_utils.same_on_every_rank(classes, train_set, val_set, resume_point=(position.epoch, position.samples))
-    dist_utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
+    run.claim()  # one running job per folder: a second one ends here, in one line
     if rank == 0:  # only global rank 0 prints and writes files (local rank 0 exists once per node)
-        utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
         print(
             f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
-            f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
+            f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {run.dir}\n"
             f"global batch {global_batch} = {args.batch_size} per process x {world_size} processes x "
             f"{args.accum_steps} accumulation steps; "
-            f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}"
+            f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{run.resuming}"
         )
 
     if args.test_only:
         metrics = evaluate(model.module, ema, val_loader, device, classes)
-        if rank == 0:
-            utils.report_test(output_dir, resume, metrics)
+        run.report_test(metrics)
         return
-
-    def save(is_best=False):
-        checkpoint = {
-            "model": model.module.state_dict(),
-            "ema": None if ema is None else ema.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            **position.state_dict(),  # epoch, samples done, global batch
-            "best": best,
-            "run_id": run_id,
-            "args": vars(args),
-            "classes": classes,
-        }
-        utils.save_checkpoint(checkpoint, output_dir, is_best)
 
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
     stop = dist_utils.StopOnSignal()
-
-    def stop_here():
-        if rank == 0:
-            save()
-        stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
-
-    log = utils.Logger(
-        output_dir,
-        classes,
-        args.epochs,
-        steps_per_epoch,
-        global_batch,
-        args.print_freq,
-        purge_step=position.global_step + 1,
-        enabled=rank == 0,
-    )
+    log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0)  # progress lines, TensorBoard
     log.add_training_images(train_loader.dataset, position.epoch)
-    profiler = utils.Profiler(output_dir, args.profile, enabled=rank == 0)
+    profiler = utils.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None
     for epoch in range(position.epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
-        utils.train_mode(model)
+        utils.train_except_frozen_batchnorm(model)
         log.start_epoch(epoch, position.step)
         batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
         for micro_step, (inputs, targets) in enumerate(log.timed(batches), start=position.step * args.accum_steps):
@@ -334,8 +272,8 @@ def main(args):
             last_micro = micro == args.accum_steps - 1
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
-            if stop.agreed():  # a vote before each micro-step: every rank stops at the same one
-                stop_here()
+            if stop.agreed():  # a vote before each micro-step: every rank stops at the same one, saved below
+                break
             utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
             # Accumulate: all-reduce only on the last micro-step; no_sync() keeps the other gradients local.
@@ -361,15 +299,15 @@ def main(args):
             profiler.step()
             saves_now = args.save_every and position.global_step % args.save_every == 0
             if rank == 0 and saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
-                save()
+                run.save(model.module, ema, optimizer, position)
 
-        metrics = evaluate(model.module, ema, val_loader, device, classes, stop)
-        if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
-            stop_here()
+        metrics = evaluate(model.module, ema, val_loader, device, classes, stop)  # (cut short by a stop)
+        if stop.agreed():  # stopped in the epoch or its evaluation: saved, and --resume auto continues there
+            if rank == 0:
+                run.save(model.module, ema, optimizer, position)
+            stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
-        is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
-        if is_best:
-            best = metrics[Metrics.best]
+        is_best = run.new_best(metrics)
         position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model.module, position.epoch):  # other parameters train from now:
             # DDP syncs the gradients of those that trained when it wrapped the model: wrap it anew
@@ -379,33 +317,13 @@ def main(args):
             optimizer = build_optimizer(args, model.module, lr)
             base_lrs = [group["lr"] for group in optimizer.param_groups]
         if rank == 0:
-            save(is_best)
+            run.save(model.module, ema, optimizer, position, is_best)
     log.close()
     profiler.close()
 
     if metrics is None:  # the checkpoint had finished training already
         metrics = evaluate(model.module, ema, val_loader, device, classes)
-    if rank > 0:
-        return
-    key = Metrics.best
-    results = {
-        f"best_{key}": best,
-        f"final_{key}": metrics[key],
-        "epochs": args.epochs,
-        "global_batch": global_batch,
-        "opt": args.opt,
-        "lr": lr,
-        "train_img_per_s": log.img_per_s(),
-        "wall_s": time.time() - start_time,
-        **utils.val_results(metrics),
-    }
-    utils.write_json(output_dir / "results.json", results)
-    print(
-        f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
-        f"{results['train_img_per_s']:.1f} img/s\n"
-        f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
-        f"view them with: tensorboard --logdir {output_dir.parent}"
-    )
+    run.finish(metrics, log.img_per_s(), global_batch=global_batch, lr=lr)
 
 
 @torch.no_grad()

@@ -5,8 +5,6 @@ The base of the collection: every other train_*.py is this script plus one idea,
     python train_single.py --data-path flower_photos     # a folder of class sub-folders
 """
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
@@ -148,18 +146,17 @@ class Metrics:
 
 
 def main(args):
-    start_time = time.time()
     utils.require_one_process()  # a launcher's RANK left in the shell would make it another process's
-    utils.check_args(args)
+    args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    output_dir, resume = utils.resolve_run(args, __file__)
+    run = utils.Run(args, __file__, Metrics)  # its folder, and the checkpoint it resumes
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
-    pin = device.type in ("cuda", "xpu")  # batches in page-locked memory: copied to the GPU while it computes
+    loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
     train_loader = DataLoader(
@@ -167,48 +164,23 @@ def main(args):
         args.batch_size,
         sampler=utils.EpochSampler(train_sampler),
         collate_fn=collate,
-        num_workers=args.workers,
         drop_last=True,
-        pin_memory=pin,
-        persistent_workers=args.workers > 0,
-        worker_init_fn=utils.ignore_stop_signals,
+        **loading,
     )
-    # Persistent, and its workers forked now, before training starts more threads: a fork copies only the forking
-    # thread, and a lock another thread held stays locked in the child (docs/robustness.md)
-    val_loader = DataLoader(
-        val_set,
-        args.batch_size,
-        collate_fn=utils.Counted(collate),  # (samples, batch): the loss and count weigh samples
-        num_workers=args.workers,
-        pin_memory=pin,
-        persistent_workers=args.workers > 0,
-        worker_init_fn=utils.ignore_stop_signals,
-    )
+    # (samples, batch): the loss and count weigh samples. Its workers forked now, before training starts threads.
+    val_loader = DataLoader(val_set, args.batch_size, collate_fn=utils.Counted(collate), **loading)
     utils.start_workers(val_loader)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0 and not args.test_only:
-        raise utils.UsageError(
-            f"--batch-size {args.batch_size} is more than the training images per process "
-            f"({len(train_loader.sampler)}); lower it"
-        )
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
 
     # Model
     torch.manual_seed(args.seed)
     model = build_model(args, len(classes)).to(device)
     model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
     ema = build_ema(args, model)  # an average of the weights, or None
-    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
     global_batch = args.batch_size
     position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
-    best = None  # the best value of the metric that best.pt follows
-    checkpoint = utils.load_checkpoint(resume, classes) if resume else None
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        if ema is not None and checkpoint.get("ema"):
-            ema.load_state_dict(checkpoint["ema"])
-        if not args.test_only:
-            position.load_state_dict(checkpoint)
-            best = checkpoint["best"]
+    # Resume: the weights and the position now, before the wrapper; the optimizer's state once it is built
+    checkpoint = run.load(classes, model, ema, position)
     set_trainable(args, model, position.epoch)  # the parameters that train in the epoch it starts in
 
     # Optimizer: the LR given for a batch of 256 scales linearly with the real global batch (both optimizers).
@@ -216,65 +188,37 @@ def main(args):
     optimizer = build_optimizer(args, model, lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # lr, or a group's own (a backbone's, say)
     schedule = lr_schedule(args, steps_per_epoch)  # LR factor per optimizer step
-    resumed = ""
-    if checkpoint and not args.test_only:
-        optimizer.load_state_dict(utils.optimizer_state(checkpoint, resume))
-        resumed = f"\nresuming from {resume}: {position} (at global batch {checkpoint['global_batch']})"
-    utils.claim_output_dir(output_dir)  # one running job per folder: a second one ends here, in one line
-    utils.write_json(output_dir / "class_indices.json", dict(enumerate(classes)))
+    if checkpoint:
+        optimizer.load_state_dict(run.optimizer_state(checkpoint))
+    run.claim()  # one running job per folder: a second one ends here, in one line
     print(
         f"{model_name} on {device}: {len(train_set)} training and {len(val_set)} validation samples, "
-        f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {output_dir}\n"
+        f"{len(classes)} outputs, loader workers per process: {args.workers}; output in {run.dir}\n"
         f"global batch {global_batch} = {args.batch_size} per step; "
-        f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{resumed}"
+        f"{args.opt} lr {args.lr:g} x {global_batch}/256 = {lr:g}{run.resuming}"
     )
 
     if args.test_only:
         metrics = evaluate(model, ema, val_loader, device, classes)
-        utils.report_test(output_dir, resume, metrics)
+        run.report_test(metrics)
         return
-
-    def save(is_best=False):
-        checkpoint = {
-            "model": model.state_dict(),
-            "ema": None if ema is None else ema.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            **position.state_dict(),  # epoch, samples done, global batch
-            "best": best,
-            "args": vars(args),
-            "classes": classes,
-        }
-        utils.save_checkpoint(checkpoint, output_dir, is_best)
 
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the loop stops after
     # the step it is in and saves there, and --resume auto continues.
     stop = utils.StopOnSignal()
-
-    def stop_here():
-        save()
-        stop.exit(position.global_step, output_dir)  # one line; exit status 128 + the signal
-
-    log = utils.Logger(
-        output_dir,
-        classes,
-        args.epochs,
-        steps_per_epoch,
-        global_batch,
-        args.print_freq,
-        purge_step=position.global_step + 1,
-    )
+    log = utils.Logger(run.dir, classes, args, position)  # progress lines, TensorBoard
     log.add_training_images(train_loader.dataset, position.epoch)
-    profiler = utils.Profiler(output_dir, args.profile)
+    profiler = utils.Profiler(run.dir, args.profile)
     metrics = None
     for epoch in range(position.epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
-        utils.train_mode(model)
+        utils.train_except_frozen_batchnorm(model)
         log.start_epoch(epoch, position.step)
         batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
         for step, (inputs, targets) in enumerate(log.timed(batches), start=position.step):
-            if stop.agreed():  # checked before each step: the state after the last one is saved
-                stop_here()
+            if stop.agreed():  # checked before each step: the state after the last one is saved below
+                break
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
             loss = compute_loss(run_model(model, inputs, targets), targets)
@@ -292,44 +236,25 @@ def main(args):
             profiler.step()
             saves_now = args.save_every and position.global_step % args.save_every == 0
             if saves_now and step + 1 < steps_per_epoch:  # the epoch's end saves anyway
-                save()
+                run.save(model, ema, optimizer, position)
 
-        metrics = evaluate(model, ema, val_loader, device, classes, stop)
-        if stop.agreed():  # a signal cut the evaluation short: save, and evaluate this epoch on resume
-            stop_here()
+        metrics = evaluate(model, ema, val_loader, device, classes, stop)  # (cut short by a stop)
+        if stop.agreed():  # stopped in the epoch or its evaluation: saved, and --resume auto continues there
+            run.save(model, ema, optimizer, position)
+            stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
-        is_best = utils.improved(metrics, Metrics.best, best, Metrics.higher_is_better)
-        if is_best:
-            best = metrics[Metrics.best]
+        is_best = run.new_best(metrics)
         position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model, position.epoch):  # other parameters train from now
             optimizer = build_optimizer(args, model, lr)
             base_lrs = [group["lr"] for group in optimizer.param_groups]
-        save(is_best)
+        run.save(model, ema, optimizer, position, is_best)
     log.close()
     profiler.close()
 
     if metrics is None:  # the checkpoint had finished training already
         metrics = evaluate(model, ema, val_loader, device, classes)
-    key = Metrics.best
-    results = {
-        f"best_{key}": best,
-        f"final_{key}": metrics[key],
-        "epochs": args.epochs,
-        "global_batch": global_batch,
-        "opt": args.opt,
-        "lr": lr,
-        "train_img_per_s": log.img_per_s(),
-        "wall_s": time.time() - start_time,
-        **utils.val_results(metrics),
-    }
-    utils.write_json(output_dir / "results.json", results)
-    print(
-        f"done in {results['wall_s']:.0f}s: best val {key} {best:.4f}, final {metrics[key]:.4f}, "
-        f"{results['train_img_per_s']:.1f} img/s\n"
-        f"checkpoints, results.json and TensorBoard logs in {output_dir}; "
-        f"view them with: tensorboard --logdir {output_dir.parent}"
-    )
+    run.finish(metrics, log.img_per_s(), global_batch=global_batch, lr=lr)
 
 
 @torch.no_grad()

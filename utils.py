@@ -103,7 +103,8 @@ def get_args_parser(description):
 
 
 def check_args(args):
-    """The shared arguments checked, and the defaults that depend on the data and the machine filled in."""
+    """The shared arguments checked; returns a copy with the defaults that depend on the machine filled in."""
+    args = argparse.Namespace(**vars(args))
     positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
     others = ("workers", "save_every", "profile", "seed", "clip_grad", "hsdp", "weight_decay")
     for name in (*positive, *others):  # every rung's numbers, and the built-in task's
@@ -247,7 +248,7 @@ OWN_TEMPORARY = re.compile(r"\.(last\.pt|best\.pt|results\.json|class_indices\.j
 def claim_output_dir(output_dir):
     """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Global rank
     0 holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS); the other ranks
-    only note the folder (dist_utils.claim_output_dir tells them rank 0's outcome)."""
+    only note the folder (dist_utils.Run.claim tells them rank 0's outcome)."""
     _RUN_DIR["folder"] = output_dir
     if int(os.environ.get("RANK", 0)) > 0:
         return
@@ -547,6 +548,30 @@ class Counted:
         return len(items), self.collate(items)
 
 
+def loader_options(workers, device):
+    """What both DataLoaders share: worker processes kept across epochs (forked once: see start_workers) that ignore
+    the stop signals, and for a GPU batches in page-locked memory, copied to it while it computes."""
+    return {
+        "num_workers": workers,
+        "pin_memory": device.type in ("cuda", "xpu"),
+        "persistent_workers": workers > 0,
+        "worker_init_fn": ignore_stop_signals,
+    }
+
+
+def steps_per_epoch(train_loader, args):
+    """Optimizer steps per epoch: the loader's batches per --accum-steps (where the rung has it). None: one line."""
+    accum_steps = getattr(args, "accum_steps", 1)
+    steps = len(train_loader) // accum_steps
+    if steps == 0 and not args.test_only:
+        accumulated = f" x --accum-steps {accum_steps}" if hasattr(args, "accum_steps") else ""
+        raise UsageError(
+            f"--batch-size {args.batch_size}{accumulated} is more than the training images per process "
+            f"({len(train_loader.sampler)}); lower {'either' if accumulated else 'it'}"
+        )
+    return steps
+
+
 class Position:
     """Where training is: an epoch, and how many samples of its shuffled order (over all processes) are done.
 
@@ -603,7 +628,7 @@ class Position:
 
 
 # ------------------------------------------------------------------------------------------------ model
-def train_mode(model):
+def train_except_frozen_batchnorm(model):
     """model.train(), but BatchNorm layers whose weights are all frozen (a frozen backbone) stay in eval mode: their
     statistics stay the ones the weights were trained with."""
     model.train()
@@ -634,6 +659,115 @@ def warmup_cosine(total_steps):
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
+class Run:
+    """The run's bookkeeping, in one owner: where it lives (its folder, held by one job at a time), what it resumes
+    from, the best value of the metric that best.pt follows, its checkpoints and its results. main() calls it in a
+    few lines; dist_utils.Run adds torchrun's restarts and the ranks' agreement on the folder. Its files and lines
+    come from global rank 0 alone, but for save(): the script decides who saves (FSDP's ranks all write shards)."""
+
+    def __init__(self, args, script, metrics, run_id=None):
+        """metrics: the task's Metrics class (.best names the metric best.pt follows). Nothing is written yet."""
+        self.started = time.time()
+        self.args = args
+        self.run_id = run_id  # torchrun's, under --max-restarts: a restart continues the last.pt of its own job
+        self.metric = metrics.best
+        self.higher_is_better = metrics.higher_is_better
+        self.dir, self.resume = resolve_run(args, script)
+        self.best = None  # the best value of the metric so far
+        self.classes = None
+        self.resuming = ""  # for the start-up line: where a resumed run continues
+        self.more = {}  # other objects whose state a checkpoint keeps (add_state)
+
+    def load(self, classes, model, ema, position):
+        """The checkpoint of --resume, if any: its weights into the model (None: they are read another way) and the
+        EMA, now, before any wrapper; its position and best metric where training continues. Returns the checkpoint
+        where training continues from it (the optimizer's state is loaded once it is built), else None."""
+        self.classes = classes
+        if self.resume is None:
+            return None
+        checkpoint = load_checkpoint(self.resume, classes)
+        if model is not None:
+            model.load_state_dict(checkpoint["model"])
+        if ema is not None and checkpoint.get("ema"):
+            ema.load_state_dict(checkpoint["ema"])
+        if self.args.test_only:
+            return None
+        position.load_state_dict(checkpoint)
+        self.best = checkpoint["best"]
+        self.resuming = f"\nresuming from {self.resume}: {position} (at global batch {checkpoint['global_batch']})"
+        return checkpoint
+
+    def add_state(self, **objects):
+        """Objects (a GradScaler, say) whose state_dict() every checkpoint also keeps, under their names."""
+        self.more.update(objects)
+
+    def optimizer_state(self, checkpoint):
+        return optimizer_state(checkpoint, self.resume)
+
+    def claim(self):
+        """Hold the folder to the end of the job (a second job into it ends here, in one line); its class names."""
+        claim_output_dir(self.dir)
+        if int(os.environ.get("RANK", 0)) == 0:
+            write_json(self.dir / "class_indices.json", dict(enumerate(self.classes)))
+
+    def new_best(self, metrics):
+        """Whether metrics beat the best so far (then they are the best): best.pt is written with this epoch."""
+        if not beats_best(metrics, self.metric, self.best, self.higher_is_better):
+            return False
+        self.best = metrics[self.metric]
+        return True
+
+    def save(self, model, ema, optimizer, position, is_best=False):
+        """last.pt (and best.pt) with everything a resume needs. model, ema, optimizer: objects whose state_dict() is
+        saved, or states already taken (FSDP's full weights, its shards' folder); and those of add_state()."""
+        checkpoint = {
+            "model": state_of(model),
+            "ema": state_of(ema),
+            "optimizer": state_of(optimizer),
+            **{name: state_of(value) for name, value in self.more.items()},
+            **position.state_dict(),  # epoch, samples done, global batch
+            "best": self.best,
+            "run_id": self.run_id,
+            "args": vars(self.args),
+            "classes": self.classes,
+        }
+        save_checkpoint(checkpoint, self.dir, is_best)
+
+    def report_test(self, metrics):
+        """--test-only's outputs: results.json and one line."""
+        if int(os.environ.get("RANK", 0)) == 0:
+            report_test(self.dir, self.resume, metrics)
+
+    def finish(self, metrics, img_per_s, **figures):
+        """results.json and the last lines: the best and final metric, the run's figures, every validation metric."""
+        if int(os.environ.get("RANK", 0)) > 0:
+            return
+        key = self.metric
+        results = {
+            f"best_{key}": self.best,
+            f"final_{key}": metrics[key],
+            "epochs": self.args.epochs,
+            "opt": self.args.opt,
+            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            **figures,
+            "train_img_per_s": img_per_s,
+            "wall_s": time.time() - self.started,
+            **val_results(metrics),
+        }
+        write_json(self.dir / "results.json", results)
+        print(
+            f"done in {results['wall_s']:.0f}s: best val {key} {self.best:.4f}, final {metrics[key]:.4f}, "
+            f"{img_per_s:.1f} img/s\n"
+            f"checkpoints, results.json and TensorBoard logs in {self.dir}; "
+            f"view them with: tensorboard --logdir {self.dir.parent}"
+        )
+
+
+def state_of(value):
+    """value.state_dict() for a module, an optimizer or a scaler; a state already taken (or None) as it is."""
+    return value.state_dict() if hasattr(value, "state_dict") else value
+
+
 def save_checkpoint(state, output_dir, is_best=False):
     """last.pt (and best.pt) written atomically, with CPU tensors: a kill at any moment leaves the previous file.
     best.pt is written first: if that fails, last.pt still holds the state before this one, so the resumed run comes
@@ -936,8 +1070,8 @@ class StopOnSignal:
         self.seen.append(signum)
 
     def __bool__(self):
-        """Whether a signal reached this process."""
-        return bool(self.seen)
+        """Whether a signal reached this process, or the ranks agreed to stop on one."""
+        return bool(self.seen or self.signum)
 
     def agreed(self):
         """The signal to stop on (0: none): in one process, the last one it has seen."""
@@ -1022,7 +1156,7 @@ def metrics_line(metrics):
     return f"val {'  '.join(numbers)} ({metrics['count']} samples)"
 
 
-def improved(metrics, name, best, higher_is_better):
+def beats_best(metrics, name, best, higher_is_better):
     """Whether metrics[name] (Metrics.best) beats the best so far (None: none yet; a NaN is beaten by any value)."""
     if name not in metrics:
         raise UsageError(f"Metrics.best is {name!r}, but the metrics are {', '.join(metrics)}: name one of them")
@@ -1034,15 +1168,14 @@ def improved(metrics, name, best, higher_is_better):
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
-    def __init__(
-        self, output_dir, names, epochs, steps_per_epoch, global_batch, print_freq, purge_step=0, enabled=True
-    ):
+    def __init__(self, output_dir, names, args, position, enabled=True):
+        """args: --epochs and --print-freq; position: the run's steps per epoch, global batch and first step."""
         self.enabled = enabled
-        self.epochs = epochs
-        self.steps_per_epoch = steps_per_epoch
+        self.epochs = args.epochs
+        self.steps_per_epoch = position.steps_per_epoch
         self.names = names  # drawn on the confusion matrix's picture
-        self.global_batch = global_batch
-        self.print_freq = print_freq
+        self.global_batch = position.global_batch
+        self.print_freq = args.print_freq
         self.fix = "raise --workers or use faster storage"  # the advice when data loading is the bottleneck
         self.train_images = 0
         self.train_seconds = 0.0
@@ -1053,7 +1186,7 @@ class Logger:
 
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             with self.writing():
-                self.writer = SummaryWriter(str(output_dir), purge_step=purge_step)
+                self.writer = SummaryWriter(str(output_dir), purge_step=position.global_step + 1)
             threading.excepthook = quiet_tensorboard_thread
 
     @contextlib.contextmanager

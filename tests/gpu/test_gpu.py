@@ -100,7 +100,7 @@ def test_training_steps_never_wait_for_the_gpu():
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = builtin.resnet("resnet18", 3).to(device)
-    utils.train_mode(model)
+    utils.train_except_frozen_batchnorm(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8).pin_memory()  # as the loaders give them
     labels = torch.randint(0, 3, (8,)).pin_memory()

@@ -19,7 +19,7 @@ from PIL import Image
 
 import builtin
 import utils
-from support import REPO, job_env, run_sh
+from support import REPO, job_env, logger, run_sh
 
 import shrink  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_shrink_killed_leaves_no_partial_file_and_resumes(tmp_path):
 # ------------------------------------------------------------------------------------------ logging
 def epoch_line(tmp_path, dataset, capsys):
     """One epoch of the Logger in which the loop waited for data half of the time: the epoch line it prints."""
-    log = utils.Logger(tmp_path, ["cat", "dog"], epochs=1, steps_per_epoch=2, global_batch=4, print_freq=10)
+    log = logger(tmp_path, ["cat", "dog"], epochs=1, steps_per_epoch=2, global_batch=4, print_freq=10)
     log.add_training_images(utils.SeededItems(dataset, 0), 0)  # as the scripts pass it
     capsys.readouterr()
     log.start_epoch(0)
@@ -314,7 +314,7 @@ def test_confusion_picture_reaches_tensorboard_where_the_metrics_have_one(tmp_pa
         "multilabel": {"loss": 0.5, "count": 8, "f1": 0.75, "confusion": [[1, 2, 3]]},
     }
     for task, metrics in tasks.items():
-        log = utils.Logger(tmp_path / task, ["cat", "dog"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
+        log = logger(tmp_path / task, ["cat", "dog"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
         log.start_epoch(0)
         log.end_epoch(1, metrics)
         log.close()
@@ -346,7 +346,7 @@ def test_training_image_grid_for_any_dataset(tmp_path):
             return torch.randn(self.shape), index % 2
 
     for name, shape, shown in (("floats", (3, 16, 16), 1), ("vectors", (10,), 0)):
-        log = utils.Logger(tmp_path / name, ["a", "b"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
+        log = logger(tmp_path / name, ["a", "b"], epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1)
         log.add_training_images(utils.SeededItems(Items(shape), 0), 0)
         log.close()
         accumulator = EventAccumulator(str(tmp_path / name), size_guidance={"images": 0})

@@ -119,7 +119,7 @@ def continue_here(checkpoint_path, data, global_batch, epochs=2, lr=0.1, seed=0,
     checkpoint = torch.load(checkpoint_path, weights_only=True)
     model = builtin.resnet("resnet18", len(classes), freeze=True)
     model.load_state_dict(checkpoint["model"])
-    utils.train_mode(model)  # the frozen backbone's BatchNorm in eval mode
+    utils.train_except_frozen_batchnorm(model)  # the frozen backbone's BatchNorm in eval mode
     peak = lr * global_batch / 256
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=peak, momentum=0.9, weight_decay=1e-4

@@ -32,7 +32,7 @@ from support import (
     run,
     start,
 )
-from support import make_dataset
+from support import logger, make_dataset
 
 SCRIPT = "train_single.py"
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s")  # utils.Logger.step's progress line
@@ -298,7 +298,7 @@ def test_data_wait_share_names_the_bottleneck(tmp_path, capsys):
             yield index
 
     for loader_seconds, low, high in ((0.1, 35, 65), (0.0, 0, 5)):
-        log = utils.Logger(tmp_path / str(loader_seconds), ["a", "b", "c"], 1, 4, 8, print_freq=100)
+        log = logger(tmp_path / str(loader_seconds), ["a", "b", "c"], 1, 4, 8, print_freq=100)
         log.start_epoch(0)
         for step, _ in enumerate(log.timed(batches(loader_seconds))):
             time.sleep(0.1)  # the step's compute

@@ -27,6 +27,7 @@ import dist_utils
 import fsdp_utils
 import train_single  # its task block: the default loss, optimizer and target check
 import utils
+from support import logger
 
 
 # ------------------------------------------------------------------------------ what a copier of a rung pays for
@@ -356,9 +357,9 @@ def test_a_new_stage_is_a_change_of_the_trained_parameters():
 
 
 def test_the_metric_best_pt_follows_is_named_if_missing():
-    assert utils.improved({"acc": 0.5}, "acc", 0.4, True) and not utils.improved({"mse": 0.5}, "mse", 0.4, False)
+    assert utils.beats_best({"acc": 0.5}, "acc", 0.4, True) and not utils.beats_best({"mse": 0.5}, "mse", 0.4, False)
     with pytest.raises(utils.UsageError, match="Metrics.best is 'ema_acc', but the metrics are loss, acc: name one"):
-        utils.improved({"loss": 0.1, "acc": 0.5}, "ema_acc", None, True)
+        utils.beats_best({"loss": 0.1, "acc": 0.5}, "ema_acc", None, True)
 
 
 def test_auxiliary_outputs_are_split_from_the_main_one():
@@ -435,7 +436,7 @@ def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
         [torch.randint(0, 256, (1, 8, 8), dtype=torch.uint8) for _ in range(4)],
         [torch.randn(1, 8, 8) for _ in range(4)],
     ):
-        log = utils.Logger(tmp_path, ["a", "b"], 1, 1, 4, 1)
+        log = logger(tmp_path, ["a", "b"], 1, 1, 4, 1)
         log.add_training_images(utils.SeededItems([(image, 0) for image in images], 0), 0)
         log.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -12,7 +12,8 @@ from support import REPO
 # `ruff format` lays out (one argument a line once a call does not fit on one): 20/112/96/33/141 when set;
 # 26/121/98/32/157 once the loop took an EMA and stages (issue 59): the unwrapped model for the EMA, the optimizer and
 # a stage (dp, DDP), DDP wrapped anew at a stage and the ranks' weights compared, FSDP's EMA sharded and saved whole;
-# 26/133/74/32/157 once every rung stops on a signal (issue 60): the ranks' vote moved from torchrun's diff to launch's
+# 26/133/74/32/157 once every rung stops on a signal (issue 60): the ranks' vote moved from torchrun's diff to launch's;
+# 24/128/68/32/157 once the run's bookkeeping had one owner (issue 62): dp trains through `net` and saves `model`
 BUDGETS = {
     ("train_single.py", "train_dp.py"): 28,
     ("train_single.py", "train_ddp_launch.py"): 136,
