@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-import utils
-from utils import BadImageError, UsageError
+import guards
+from guards import BadImageError, UsageError
 
 collecting = gc.isenabled()
 gc.disable()  # torchvision's import makes ~150,000 objects that live on: collecting among them costs ~0.3 s a process
@@ -39,7 +39,7 @@ try:  # TorchCodec: PyTorch's image decoder (torchvision.io's is deprecated); PI
     codec_missing = None
 except Exception as error:  # not installed, or built for another torch: datasets() says so
     codec_decode = codec_jpeg = None
-    codec_missing = utils.first_line(error)
+    codec_missing = guards.first_line(error)
 
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -402,7 +402,7 @@ def load_weights(name, weights):
     """--weights: a local file (a state dict or one of our checkpoints), or torchvision's name for the model's weights
     (DEFAULT, IMAGENET1K_V1, ...), downloaded once into the torch hub cache and read from there afterwards."""
     if Path(weights).exists() or not re.fullmatch(r"(\w+_Weights\.)?[A-Za-z]\w*", weights):
-        state = utils.load_file(weights, "--weights")
+        state = guards.load_checked(weights, "--weights")
         return state.get("model", state)  # one of our checkpoints, or a bare state dict
     enum = torchvision.models.get_model_weights(name)
     family, _, short = weights.upper().rpartition(".")  # e.g. RESNET18_WEIGHTS, IMAGENET1K_V1

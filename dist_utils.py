@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 import utils
-from utils import UsageError, first_line, load_file
+import guards
+from guards import UsageError, first_line, load_checked
 
 
 def require_launcher(launcher):
@@ -103,7 +104,7 @@ def restarted(args, script, run_id):
     elif stopped.is_file() and stopped.read_text().split()[0] == run_id:
         sys.exit(128 + int(stopped.read_text().split()[1]))  # a stop of this job (said), taken for a failure
     last = output_dir / "last.pt"
-    ours = last.exists() and load_file(last, "--resume").get("run_id") == run_id
+    ours = last.exists() and load_checked(last, "--resume").get("run_id") == run_id
     return argparse.Namespace(
         **{**vars(args), "output_dir": str(output_dir), "resume": "auto" if ours else args.resume}
     )
@@ -218,12 +219,12 @@ COLLECTIVE_TIMED_OUT = re.compile(
 
 
 @contextlib.contextmanager
-def one_line_errors():
-    """utils.one_line_errors() for the rungs that a launcher starts: a process of the job that ended, or did not
-    answer within --dist-timeout, is one line too, not a traceback from every rank. The process group is destroyed
-    on every exit, after the line."""
+def one_line_errors(*every_rank_lines):
+    """guards.one_line_errors() for the rungs that a launcher starts: a process of the job that ended, or did not
+    answer within --dist-timeout, is one line too, not a traceback from every rank; so is DDP's unused parameter.
+    The process group is destroyed on every exit, after the line."""
     try:
-        with utils.one_line_errors():
+        with guards.one_line_errors(ddp_failure, *every_rank_lines):
             try:
                 yield
             except Exception as error:
@@ -235,6 +236,20 @@ def one_line_errors():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def ddp_failure(error):
+    """The line for a failure of DDP's that every rank meets alike, or None."""
+    text = str(error)
+    if "Expected to have finished reduction in the prior iteration" in text:  # DDP: a parameter without a gradient
+        unused = re.search(r"did not receive grad for rank \d+: ([^\n]+)", text)  # their indices, or names
+        which = f" ({unused[1].strip()})" if unused else ""
+        return (
+            f"some parameters got no gradient in the last step{which}: the model holds a module that forward() "
+            f"does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line "
+            f"(docs/troubleshooting.md)"
+        )
+    return None
 
 
 def peer_failure(error):

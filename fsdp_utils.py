@@ -8,6 +8,7 @@ import io
 import json
 import pickle
 import re
+import shutil
 import zlib
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
 import dist_utils
-from utils import UsageError, first_line, write_json
+import guards
+from guards import UsageError, first_line
+from utils import write_json
 
 CHECKSUMS = "checksums.json"  # in a shard folder: each file's size and CRC-32 (torch's shards carry none)
 
@@ -26,10 +29,29 @@ def one_line_errors():
     """dist_utils.one_line_errors(), and after it destroys the process group, what FSDP keeps of the group let go of
     (release_meshes): train_fsdp.py's __main__."""
     try:
-        with dist_utils.one_line_errors():
+        with dist_utils.one_line_errors(sharded_checkpoint_failure):
             yield
     finally:
         release_meshes()
+
+
+def sharded_checkpoint_failure(error):
+    """The line for a failure of the sharded checkpoint that every rank meets alike, or None."""
+    text = str(error)
+    folder = guards.run_dir()
+    if "unexpected pos" in text and folder:  # torch.save's write failed: in dcp.save (FSDP's shards)
+        return (
+            f"cannot write the sharded checkpoint into {folder} ({shutil.disk_usage(folder).free >> 20} MiB left on "
+            f"its disk): free space, then continue with --resume auto (last.pt and the shards it names are intact)"
+        )
+    if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
+        return (
+            "--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
+            "them could run code: refused; resume from a folder that these scripts wrote"
+        )
+    if "Missing key in checkpoint state_dict: optimizer." in text:  # another run's trained parameters
+        return guards.OTHER_OPTIMIZER_STATE
+    return None
 
 
 def release_meshes():

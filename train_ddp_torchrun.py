@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import dist_utils
+import reporting
 import utils
 
 
@@ -200,7 +201,7 @@ def main(args):
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # (samples, batch): the loss and count weigh samples. Its workers forked now, before training starts threads.
     val_loader = DataLoader(val_slice, args.batch_size, collate_fn=utils.Counted(collate), **loading)
-    utils.start_workers(val_loader)
+    utils.loader_iterator(val_loader)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)  # optimizer steps: batches / --accum-steps
 
     # Model
@@ -251,14 +252,14 @@ def main(args):
     stop = dist_utils.StopOnSignal()
     log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0)  # progress lines, TensorBoard
     log.add_training_images(train_loader.dataset, position.epoch)
-    profiler = utils.Profiler(run.dir, args.profile, enabled=rank == 0)
+    profiler = reporting.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None
     for epoch in range(position.epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_except_frozen_batchnorm(model)
         log.start_epoch(epoch, position.step)
-        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        batches = utils.loader_iterator(train_loader)  # iter(train_loader), safe from a signal during its forks
         for micro_step, (inputs, targets) in enumerate(log.timed(batches), start=position.step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
             last_micro = micro == args.accum_steps - 1
@@ -326,7 +327,7 @@ def evaluate(model, ema, loader, device, names, stop=None):
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
-    for samples, (inputs, targets) in utils.start_workers(loader):
+    for samples, (inputs, targets) in utils.loader_iterator(loader):
         if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
             break
         inputs, targets = utils.to_device((inputs, targets), device)

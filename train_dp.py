@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+import guards
+import reporting
 import utils
 
 
@@ -146,7 +148,7 @@ class Metrics:
 
 
 def main(args):
-    utils.require_one_process()  # a launcher's RANK left in the shell would make it another process's
+    guards.require_one_process()  # a launcher's RANK left in the shell would make it another process's
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
@@ -169,7 +171,7 @@ def main(args):
     )
     # (samples, batch): the loss and count weigh samples. Its workers forked now, before training starts threads.
     val_loader = DataLoader(val_set, args.batch_size, collate_fn=utils.Counted(collate), **loading)
-    utils.start_workers(val_loader)
+    utils.loader_iterator(val_loader)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
 
     # Model
@@ -214,14 +216,14 @@ def main(args):
     stop = utils.StopOnSignal()
     log = utils.Logger(run.dir, classes, args, position)  # progress lines, TensorBoard
     log.add_training_images(train_loader.dataset, position.epoch)
-    profiler = utils.Profiler(run.dir, args.profile)
+    profiler = reporting.Profiler(run.dir, args.profile)
     metrics = None
     for epoch in range(position.epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_except_frozen_batchnorm(model)
         log.start_epoch(epoch, position.step)
-        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        batches = utils.loader_iterator(train_loader)  # iter(train_loader), safe from a signal during its forks
         for step, (inputs, targets) in enumerate(log.timed(batches), start=position.step):
             if stop.agreed():  # checked before each step: the state after the last one is saved below
                 break
@@ -271,7 +273,7 @@ def evaluate(model, ema, loader, device, names, stop=None):
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
-    for samples, (inputs, targets) in utils.start_workers(loader):
+    for samples, (inputs, targets) in utils.loader_iterator(loader):
         if stop:  # a stop signal: the caller saves within seconds instead of finishing the evaluation
             break
         inputs, targets = utils.to_device((inputs, targets), device)
@@ -290,5 +292,5 @@ def evaluate(model, ema, loader, device, names, stop=None):
 if __name__ == "__main__":
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
-    with utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
+    with guards.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
         main(parser.parse_args())

@@ -31,6 +31,8 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import dist_utils
 import fsdp_utils
+import guards
+import reporting
 import utils
 
 
@@ -212,7 +214,7 @@ def main(args):
     val_slice = Subset(val_set, range(rank, len(val_set), world_size))
     # (samples, batch): the loss and count weigh samples. Its workers forked now, before training starts threads.
     val_loader = DataLoader(val_slice, args.batch_size, collate_fn=utils.Counted(collate), **loading)
-    utils.start_workers(val_loader)
+    utils.loader_iterator(val_loader)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)  # optimizer steps: batches / --accum-steps
 
     # Model
@@ -241,7 +243,7 @@ def main(args):
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 and torch.float32)
     # --hsdp R: R replicas, each sharded over world_size / R processes (replicate across nodes, shard within one)
     if args.hsdp and world_size % args.hsdp:
-        raise utils.UsageError(f"--hsdp {args.hsdp} does not divide the {world_size} processes into replicas")
+        raise guards.UsageError(f"--hsdp {args.hsdp} does not divide the {world_size} processes into replicas")
     shape = (args.hsdp, world_size // args.hsdp) if args.hsdp else (world_size,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for module in [model] if ema is None else [model, ema.module]:  # an EMA's copy alike: it updates shard by shard
@@ -268,7 +270,7 @@ def main(args):
     if checkpoint:  # each rank reads the pieces of its own shards, whatever wrote them
         sharded = checkpoint["optimizer"]  # our last.pt names the folder of its shards (other scripts': the state)
         if not isinstance(sharded, str) or not (run.resume.parent / sharded).is_dir():  # another script's, or best.pt
-            raise utils.UsageError(f"--resume {run.resume}: no sharded state beside it; use a last.pt, or --weights")
+            raise guards.UsageError(f"--resume {run.resume}: no sharded state beside it; use a last.pt, or --weights")
         state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
         reader = fsdp_utils.sharded_checkpoint(run.resume.parent, sharded)  # torch's own reader could run code from it
         dcp.load(state, storage_reader=reader, planner=reader.planner)
@@ -295,7 +297,7 @@ def main(args):
     stop = dist_utils.StopOnSignal()
     log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0)  # progress lines, TensorBoard
     log.add_training_images(train_loader.dataset, position.epoch)
-    profiler = utils.Profiler(run.dir, args.profile, enabled=rank == 0)
+    profiler = reporting.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None
     memory = None  # bytes of parameters, gradients and optimizer state held by this rank
     for epoch in range(position.epoch, args.epochs):
@@ -303,7 +305,7 @@ def main(args):
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_except_frozen_batchnorm(model)
         log.start_epoch(epoch, position.step)
-        batches = utils.start_workers(train_loader)  # iter(train_loader), safe from a signal during its forks
+        batches = utils.loader_iterator(train_loader)  # iter(train_loader), safe from a signal during its forks
         for micro_step, (inputs, targets) in enumerate(log.timed(batches), start=position.step * args.accum_steps):
             step, micro = divmod(micro_step, args.accum_steps)
             last_micro = micro == args.accum_steps - 1
@@ -367,7 +369,7 @@ def evaluate(model, ema, loader, device, names, stop=None):
     metrics = Metrics(names, device)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # the samples, and those whose batch has a loss
-    batches, last = utils.start_workers(loader), None
+    batches, last = utils.loader_iterator(loader), None
     while True:
         batch = next(batches, None)
         more = torch.tensor([batch is not None, bool(stop)], dtype=torch.int64, device=device)  # ints: any backend

@@ -2,32 +2,25 @@
 ends, logging. dist_utils.py adds what the multi-process rungs need; builtin.py holds our image folders and ResNet."""
 
 import argparse
-import atexit
 import contextlib
-import errno
 import json
 import math
-import multiprocessing
 import os
-import pickle
 import random
 import re
-import resource
 import shutil
 import signal
-import socket
 import sys
-import textwrap
 import threading
 import time
-import traceback
-import weakref
-import zipfile
-from pathlib import Path
 
 import numpy
 import torch
 from torch.utils.data import Dataset
+
+import guards
+import reporting
+from guards import UsageError
 
 # ImageNet's per-channel (RGB) mean and standard deviation, in 0-1
 MEAN = (0.485, 0.456, 0.406)
@@ -35,34 +28,10 @@ STD = (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (--clip-grad; with fp16, try --amp-dtype bf16)"
 
 
-class UsageError(Exception):
-    """Bad input: one line, no traceback, exit status 1 (one_line_errors)."""
-
-    def __init__(self, message):
-        if "Traceback" in message:  # re-raised from a loader worker, its traceback in the message: our line only
-            message = message.strip().splitlines()[-1].split("Error: ", 1)[-1]
-        super().__init__(message)
-
-
-class OwnError(UsageError):
-    """Bad input that only this process knows (an image it read, its loader worker, its environment): it says it,
-    whatever its rank."""
-
-
-class BadImageError(OwnError):
-    """An undecodable image."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        """Raise instead of exiting, so that a multi-process job reports it once."""
-        raise UsageError(f"{message} (see --help)")
-
-
 # ----------------------------------------------------------------------------------------------- arguments
 def get_args_parser(description):
     """The flags every rung shares; the task's own come from the script's add_task_arguments()."""
-    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = guards.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("-b", "--batch-size", type=int, default=32, help="samples per process and step")
     parser.add_argument("--opt", default="sgd", choices=("sgd", "adamw"), help="the optimizer (build_optimizer())")
@@ -131,163 +100,15 @@ def check_args(args):
     return args
 
 
-def require_one_process():
-    """train_single.py and train_dp.py run one process: a launcher's ranks in the environment (left in a shell, or a
-    launcher that started several copies) would make it another rank's, with another rank's randomness: one line."""
-    env = os.environ
-    found = [
-        f"{name}={env[name]}"
-        for name, alone in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"))
-        if env.get(name, alone) != alone
-    ]
-    if found:
-        raise OwnError(
-            f"{Path(sys.argv[0]).name} runs one process, but {' '.join(found)} is set (a launcher's, left in the "
-            f"shell, or a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
-            f"(bash run.sh ddp)"
-        )
-
-
 def get_device(requested):
     """--device, else the accelerator torch finds (CUDA, ROCm as cuda, XPU, MPS), else the CPU (docs/running.md)."""
     found = torch.accelerator.current_accelerator(check_available=True)  # None where none is usable
     launched = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "LOCAL_RANK" in os.environ else 0
     count = torch.accelerator.device_count() if found else 0
-    device = choose_device(requested, found and found.type, count, launched)
+    device = guards.choose_device(requested, found and found.type, count, launched)
     if device.index is not None:
         torch.accelerator.set_device_index(device.index)  # else pinned-memory threads and the profiler use device 0
     return device
-
-
-def choose_device(requested, accelerator, count, processes):
-    """The device for --device `requested` (None: default) given `count` devices of type `accelerator` (None: the
-    CPU only) and `processes` started on this node by a launcher (0: none)."""
-    try:
-        device = torch.device(requested or accelerator or "cpu")
-    except RuntimeError:
-        raise UsageError(
-            f"--device {requested} is not a device name; use cpu, {accelerator or 'cuda'} or {accelerator or 'cuda'}:N"
-        ) from None
-    if device.type == "cpu":
-        return device
-    if device.type != accelerator:
-        raise UsageError(
-            f"--device {requested}: this machine has no usable {device.type} GPU; use --device {accelerator or 'cpu'}"
-        )
-    if processes and device.type == "mps":  # no collective backend on Apple's GPUs: the processes meet on the CPU
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print(
-                "Apple MPS has no backend for several processes: they train on the CPU (gloo); train_single.py "
-                "trains on MPS",
-                flush=True,
-            )
-        return torch.device("cpu")
-    if processes and device.index is not None:  # before any rank opens a context on GPU N
-        raise UsageError(
-            f"--device {requested}: under a launcher each process uses the GPU of its local rank; use "
-            f"--device {device.type}, and CUDA_VISIBLE_DEVICES=... to choose the GPUs"
-        )
-    if processes > count:
-        raise UsageError(
-            f"{processes} processes on this node but only {count} GPU(s): start at most one process per GPU"
-        )
-    if (device.index or 0) >= count:
-        raise UsageError(f"--device {requested}: only {count} GPU(s) visible")
-    return device
-
-
-def resolve_run(args, script):
-    """(output folder, checkpoint to resume), without touching the disk: a new folder by default. A run writes only
-    into a new or empty folder, a run folder of these scripts (its .lock) or the folder of the checkpoint it resumes,
-    and one holding a checkpoint or results only when it resumes it: it never overwrites what it did not write."""
-    output_dir = Path(args.output_dir) if args.output_dir else None
-    resume = None
-    if args.resume == "auto":
-        if (output_dir / "last.pt").exists():
-            resume = output_dir / "last.pt"
-        elif (output_dir / "results.json").exists():  # a run that ended, its last.pt gone
-            raise UsageError(
-                f"--resume auto: {output_dir} holds no last.pt to continue, only the results of a run that ended: "
-                f"choose a new --output-dir (to start from its weights: --weights {output_dir / 'best.pt'})"
-            )
-    elif args.resume:
-        resume = Path(args.resume)
-        if not resume.is_file():
-            raise UsageError(f"--resume {args.resume}: no such file; give a last.pt or best.pt from an earlier run")
-        output_dir = output_dir or (None if args.test_only else resume.parent)  # continue the run where it was
-    # A new folder: runs/<script>-<date>-<time>, then -2, -3, ... while the name is taken
-    stem = f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while output_dir is None or n > 1 and output_dir.exists():
-        output_dir = Path("runs") / (stem if n == 1 else f"{stem}-{n}")
-        n += 1
-    taken = [name for name in ("last.pt", "results.json") if (output_dir / name).exists()]
-    if args.test_only or resume is not None:
-        taken = [name for name in taken if args.test_only and name == "results.json"]
-    if taken:
-        raise UsageError(
-            f"{output_dir} already holds an earlier run ({taken[0]}); continue it with "
-            f"--resume auto, or choose a new --output-dir"
-        )
-    foreign = []
-    if (resume is None or output_dir != resume.parent) and not (output_dir / ".lock").exists():
-        with contextlib.suppress(OSError):  # (not a folder, or not readable: claim_output_dir says so)
-            foreign = sorted(entry.name for entry in os.scandir(output_dir))
-    if foreign:
-        raise UsageError(
-            f"--output-dir {output_dir} holds files ({', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}) and "
-            f"is not a run folder of these scripts (it has no .lock): choose a new or an empty folder"
-        )
-    return output_dir, resume
-
-
-_RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock file (global rank 0)
-OWN_TEMPORARY = re.compile(r"\.(last\.pt|best\.pt|results\.json|class_indices\.json)\.\d+\.tmp")  # atomic_write's
-
-
-def claim_output_dir(output_dir):
-    """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Global rank
-    0 holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS); the other ranks
-    only note the folder (dist_utils.Run.claim tells them rank 0's outcome)."""
-    _RUN_DIR["folder"] = output_dir
-    if int(os.environ.get("RANK", 0)) > 0:
-        return
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(output_dir / ".lock", "a+")
-    except OSError as failure:  # a read-only or full disk, a file where the folder should be
-        raise UsageError(
-            f"cannot write into {output_dir} ({failure.strerror or failure}): choose another "
-            f"--output-dir, or make that one writable"
-        ) from None
-    error = hold(lock, output_dir)
-    if error:
-        raise UsageError(error)
-
-
-def hold(lock, output_dir):
-    """claim_output_dir's lock on the open .lock file, kept to the end: None, or why not (another job holds it)."""
-    import fcntl
-
-    try:
-        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as failure:
-        if failure.errno in (errno.EACCES, errno.EAGAIN):  # else a filesystem without locks: go on
-            lock.seek(0)
-            return (
-                f"{output_dir} is in use by another job ({lock.read().strip() or 'its lock is held'}): let it "
-                f"end (or stop it) before you resume it, or choose another --output-dir"
-            )
-        return None
-    for stale in output_dir.glob(".*.tmp"):  # atomic_write's, left by a job killed while it wrote: only those
-        if OWN_TEMPORARY.fullmatch(stale.name):
-            stale.unlink(missing_ok=True)
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    _RUN_DIR["lock"] = lock
-    atexit.register(lock.close)  # held to the end: closing it lets go of the lock
-    return None
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -334,8 +155,8 @@ def check_datasets(train_set, val_set, names, input_problem, target_problem, col
             collate([item, dataset[min(1, len(dataset) - 1)]])
         except Exception as error:
             raise UsageError(
-                f"collate() cannot batch the {name} set's first two items ({first_line(error)}): items of different "
-                f"sizes need a collate() of their own in the task block (padding, or lists: docs/adapting.md)"
+                f"collate() cannot batch the {name} set's first two items ({guards.first_line(error)}): items of "
+                f"different sizes need a collate() of their own in the task block (padding, or lists: docs/adapting.md)"
             ) from None
         checked.append(dataset)
     return tuple(checked)
@@ -481,6 +302,8 @@ class SeededItems(Dataset):
     Python's and numpy's generators seeded from (seed, epoch, index), so its augmentation is the same whatever the
     workers, ranks or resumption; a Stream's item at that position of the epoch, seeded from it."""
 
+    first_key = (0, 0, 0)  # the key of the first epoch's first item (guards.check_shm reads one item)
+
     def __init__(self, dataset, seed):
         self.dataset = dataset
         self.seed = seed
@@ -549,7 +372,7 @@ class Counted:
 
 
 def loader_options(workers, device):
-    """What both DataLoaders share: worker processes kept across epochs (forked once: see start_workers) that ignore
+    """What both DataLoaders share: worker processes kept across epochs (forked once: see loader_iterator) that ignore
     the stop signals, and for a GPU batches in page-locked memory, copied to it while it computes."""
     return {
         "num_workers": workers,
@@ -672,7 +495,7 @@ class Run:
         self.run_id = run_id  # torchrun's, under --max-restarts: a restart continues the last.pt of its own job
         self.metric = metrics.best
         self.higher_is_better = metrics.higher_is_better
-        self.dir, self.resume = resolve_run(args, script)
+        self.dir, self.resume = guards.resolve_run(args, script)
         self.best = None  # the best value of the metric so far
         self.classes = None
         self.resuming = ""  # for the start-up line: where a resumed run continues
@@ -706,7 +529,7 @@ class Run:
 
     def claim(self):
         """Hold the folder to the end of the job (a second job into it ends here, in one line); its class names."""
-        claim_output_dir(self.dir)
+        guards.claim_output_dir(self.dir)
         if int(os.environ.get("RANK", 0)) == 0:
             write_json(self.dir / "class_indices.json", dict(enumerate(self.classes)))
 
@@ -799,7 +622,7 @@ def atomic_write(path, write):
         os.replace(temporary, path)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError, the OSError inside
         cause = error if isinstance(error, OSError) else error.__context__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else first_line(error)
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else guards.first_line(error)
         raise UsageError(
             f"cannot write {path} ({reason}); free space or fix the folder's permissions, then continue "
             f"with --resume auto ({kept})"
@@ -819,72 +642,6 @@ def write_json(path, data):
     atomic_write(path, lambda f: f.write((text + "\n").encode()))
 
 
-def load_file(path, flag):
-    if not Path(path).is_file():
-        raise UsageError(f"{flag} {path}: no such file")
-    check_archive(path, flag)  # read before it is trusted: nothing inflated, every entry's CRC right
-    try:  # weights_only: plain tensors and Python types only, so an untrusted file cannot run code
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
-            raise UsageError(f"{flag} {path}: not a readable checkpoint ({first_line(error)})") from None
-        raise UsageError(
-            f"{flag} {path}: refused as unsafe: it holds Python objects besides tensors and plain types, "
-            f"and loading those could run code; give a file written by these scripts, or a plain state "
-            f"dict"
-        ) from None
-    except Exception as error:  # a file cut short (a full disk, an interrupted copy), or not a checkpoint at all
-        raise UsageError(
-            f"{flag} {path}: not a readable checkpoint, perhaps cut short ({first_line(error)})"
-            f"{intact_fallback(path, flag)}"
-        ) from None
-
-
-def check_archive(path, flag):
-    """A checkpoint is a zip that torch.save writes with every entry stored, not compressed: one that would inflate
-    (a crafted file: gigabytes from megabytes, which torch.load would inflate in memory) is refused from the zip's
-    directory, unread, and a damaged one (a flipped bit, which torch.load does not check) by its entries' CRCs,
-    read in chunks: each in one line, naming the intact fallback where there is one. A file that is not a zip is
-    left to torch.load (a legacy checkpoint, or one cut short: it says so)."""
-    if not zipfile.is_zipfile(path):
-        return
-    with zipfile.ZipFile(path) as archive:
-        for entry in archive.infolist():
-            if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > os.path.getsize(path):
-                raise UsageError(
-                    f"{flag} {path}: its entry {entry.filename[-60:]} would inflate to {entry.file_size} bytes "
-                    f"from {entry.compress_size} (torch.save stores, never compresses): not a checkpoint of "
-                    f"these scripts, refused unread"
-                )
-        try:
-            damaged = archive.testzip()  # the first entry whose CRC is wrong, or None
-        except (OSError, zipfile.BadZipFile, EOFError) as error:  # (a local header that does not match: damaged too)
-            damaged = first_line(error)
-    if damaged:
-        raise UsageError(f"{flag} {path}: damaged ({damaged[-60:]} fails its CRC check){intact_fallback(path, flag)}")
-
-
-def intact_fallback(path, flag):
-    """ "; best.pt is intact: ..." where a damaged last.pt has a best.pt beside it that is whole, else ""."""
-    best = Path(path).with_name("best.pt")
-    if flag != "--resume" or Path(path).name != "last.pt" or not best.is_file() or not zipfile.is_zipfile(best):
-        return ""
-    with zipfile.ZipFile(best) as archive:
-        with contextlib.suppress(Exception):
-            if archive.testzip() is None:
-                return (
-                    f"; {best} is intact: continue from it with --resume {best}, or start from its weights with "
-                    f"--weights {best}"
-                )
-    return ""
-
-
-def first_line(error, width=160):
-    """An exception's first sentence, without a C++ source location, shortened to `width` characters."""
-    line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-    return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
-
-
 def optimizer_state(checkpoint, path):
     """The checkpoint's optimizer state; train_fsdp.py's last.pt names the folder of its shards instead: one line."""
     if isinstance(checkpoint["optimizer"], str):
@@ -896,7 +653,7 @@ def optimizer_state(checkpoint, path):
 
 
 def load_checkpoint(path, names):
-    checkpoint = load_file(path, "--resume")
+    checkpoint = guards.load_checked(path, "--resume")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
         raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
     if "samples" not in checkpoint or "best" not in checkpoint:
@@ -922,134 +679,6 @@ def load_checkpoint(path, names):
 
 
 # ------------------------------------------------------------------------------------------ how a run ends
-@contextlib.contextmanager
-def one_line_errors():
-    """Every rung's __main__: bad input, Ctrl-C, a full /dev/shm, a failure every rank meets: one line from one
-    process (docs/robustness.md); anything else: its traceback. Loader workers end first. The rungs that a launcher
-    starts use dist_utils.one_line_errors(), which adds a lost or silent peer and the process group's teardown."""
-    status = 1
-
-    def local_rank_0():
-        """Read when needed: under srun, LOCAL_RANK is set by require_launcher(), after this block begins."""
-        return int(os.environ.get("LOCAL_RANK", 0)) == 0
-
-    try:
-        yield
-        status = 0
-    except UsageError as error:
-        if local_rank_0() or isinstance(error, OwnError):
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        else:
-            wait_to_be_stopped()
-    except KeyboardInterrupt:
-        if local_rank_0():
-            print(
-                "stopped by Ctrl-C: continue from the last checkpoint with --resume auto --output-dir <the run's "
-                "folder>",
-                file=sys.stderr,
-            )
-        status = 130
-    except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
-        status = exit.code
-    except BaseException as error:
-        if "shared memory" in str(error):  # a loader worker's batch did not fit: /dev/shm is full
-            print(f"error: {shm_too_small('the loader workers of this node', 'fewer --workers')}", file=sys.stderr)
-        elif line := killed_worker(error):  # one of this process's loader workers: it says so
-            print(f"error: {line}", file=sys.stderr)
-        elif line := failure_of_every_rank(error):  # the same on every rank: local rank 0 says it
-            if local_rank_0():
-                print(f"error: {line}", file=sys.stderr)
-            else:
-                wait_to_be_stopped()
-        else:
-            traceback.print_exc()
-    end_loader_workers()
-    sys.exit(status)
-
-
-def killed_worker(error):
-    """The line for a loader worker killed by a signal (most often the out-of-memory killer's SIGKILL), or None."""
-    found = re.search(
-        r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) (?:is killed by signal: ([^.\n]+)|exited unexpectedly)",
-        str(error),
-    )
-    if not found:
-        return None
-    how = f"was killed by a signal ({found[2]})" if found[2] else "ended unexpectedly"
-    if found[2] == "Killed":
-        how = "was killed by SIGKILL, most likely by the out-of-memory killer (dmesg says which)"
-    again = f" --output-dir {_RUN_DIR['folder']}" if "folder" in _RUN_DIR else ""
-    return (
-        f"a data loader worker of rank {os.environ.get('RANK', 0)} (pid {found[1]}) {how}: lower --workers or "
-        f"--batch-size, then continue with --resume auto{again}"
-    )
-
-
-def failure_of_every_rank(error):
-    """The line for a failure that every rank meets alike, or None."""
-    text = str(error)
-    if "Error(s) in loading state_dict" in text:  # a checkpoint of another model
-        return (
-            f"the checkpoint's weights do not fit this model ({first_line(error)}); resume with the model that "
-            f"saved it, or start from its weights with --weights"
-        )
-    if "unexpected pos" in text and "folder" in _RUN_DIR:  # torch.save's write failed: in dcp.save (FSDP's shards)
-        free = shutil.disk_usage(_RUN_DIR["folder"]).free
-        return (
-            f"cannot write the sharded checkpoint into {_RUN_DIR['folder']} ({free >> 20} MiB left on its disk): "
-            f"free space, then continue with --resume auto (last.pt and the shards it names are intact)"
-        )
-    if "Weights only load failed" in text:  # an item of a sharded checkpoint (SafeLoadPlanner)
-        return (
-            "--resume: the sharded checkpoint holds Python objects besides tensors and plain types, and loading "
-            "them could run code: refused; resume from a folder that these scripts wrote"
-        )
-    # The optimizer state of other parameters (DDP's and FSDP's words)
-    if (
-        "doesn't match the size of optimizer's group" in text
-        or "different number of parameter groups" in text
-        or "Missing key in checkpoint state_dict: optimizer." in text
-    ):
-        return (
-            "--resume: the checkpoint's optimizer state is for other trained parameters (a run with another "
-            "--freeze or --opt, or another build_optimizer()): resume with the same, or start from its weights "
-            "with --weights (the built-in model) and --output-dir a new folder"
-        )
-    if "add(sparse, dense)" in text or "does not support sparse gradients" in text:  # nn.Embedding(sparse=True)
-        return (
-            f"a sparse gradient (an nn.Embedding(sparse=True)) reached the optimizer ({first_line(error)}): use "
-            f"sparse=False, or, in build_optimizer(), SGD with weight_decay 0 for those parameters "
-            f"(docs/adapting.md)"
-        )
-    if "Expected more than 1 value per channel when training" in text:  # BatchNorm over a batch of one value
-        size = re.search(r"got input size [^\n]*", text)
-        return (
-            f"a BatchNorm layer saw one value per channel in training ({size[0] if size else text[:80]}): raise "
-            f"--batch-size (images per process) or --img-size"
-        )
-    if "Expected to have finished reduction in the prior iteration" in text:  # DDP: a parameter without a gradient
-        unused = re.search(r"did not receive grad for rank \d+: ([^\n]+)", text)  # their indices, or names
-        which = f" ({unused[1].strip()})" if unused else ""
-        return (
-            f"some parameters got no gradient in the last step{which}: the model holds a module that forward() "
-            f"does not use; remove it, or pass find_unused_parameters=True in the DDP(...) line "
-            f"(docs/troubleshooting.md)"
-        )
-    return None
-
-
-def wait_to_be_stopped():
-    """Leave local rank 0 time to print the line: the launcher then stops every rank."""
-    end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(10)
-
-
-def end_loader_workers():
-    """Kill the loader workers: they ignore SIGTERM, and would outlive this process by up to 5 s, holding its output."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)
-    for worker in multiprocessing.active_children():
-        worker.kill()
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
@@ -1093,49 +722,18 @@ def ignore_stop_signals(worker_id):
     its process down with it. The training process decides; workers still exit when it dies."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by start_workers()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by loader_iterator()
 
 
-_SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its prefetch factor, its batches in /dev/shm)
-
-
-def start_workers(loader):
+def loader_iterator(loader):
     """iter(loader), the stop signals held back while it forks the workers (until they ignore them), after one line
     if /dev/shm is too small for the batches every loader's workers hold there (a pod's 64 MB)."""
-    if loader.num_workers and len(loader.dataset) and os.path.isdir("/dev/shm"):
-        # The first item's bytes (SeededItems': the key (epoch, position, index)), not the sampler's first: iterating
-        # a sampler draws from its generator (RandomSampler's), which would change the order it then gives
-        key = (0, 0, 0) if isinstance(loader.dataset, SeededItems) else 0
-        tensors = torch.utils._pytree.tree_leaves(loader.dataset[key])
-        batch = sum(t.nbytes for t in tensors if torch.is_tensor(t)) * loader.batch_size
-        # measured: each worker's prefetched batches and one more; the validation loader's stay there all along
-        in_shm = min(loader.num_workers * loader.prefetch_factor, len(loader)) + 1
-        _SHM_BYTES[loader] = (batch, loader.prefetch_factor, in_shm)
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes of a node share its /dev/shm
-        held = list(_SHM_BYTES.values())
-        shm = shutil.disk_usage("/dev/shm").total
-        if processes * sum(batch * count for batch, _, count in held) > shm:
-            # a process's bytes there with w workers each: w * prefetched + one
-            one = sum(batch for batch, _, _ in held)
-            prefetched = sum(batch * factor for batch, factor, _ in held)
-            fits = max(0, (shm // processes - one) // prefetched)  # workers per process that would fit
-            raise UsageError(
-                shm_too_small(f"the batches of {loader.num_workers} loader workers per process", f"--workers {fits}")
-            )
+    guards.check_shm(loader)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def shm_too_small(what, fewer):
-    """The line for a /dev/shm too small for `what`, suggesting `fewer` (the flag that needs less of it)."""
-    return (
-        f"/dev/shm holds {shutil.disk_usage('/dev/shm').total >> 20} MiB, too little for {what}: mount a "
-        f"memory-backed volume there (Kubernetes: an emptyDir with medium: Memory, see examples/; docker run "
-        f"--shm-size=8g), or use {fewer}"
-    )
 
 
 # --------------------------------------------------------------------------------------------- logging
@@ -1187,7 +785,7 @@ class Logger:
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             with self.writing():
                 self.writer = SummaryWriter(str(output_dir), purge_step=position.global_step + 1)
-            threading.excepthook = quiet_tensorboard_thread
+            threading.excepthook = reporting.quiet_tensorboard_thread
 
     @contextlib.contextmanager
     def writing(self):
@@ -1205,11 +803,11 @@ class Logger:
     def add_training_images(self, items, epoch, count=32):
         """TensorBoard: 32 training images as the model gets them (floats scaled from min to max each), where the
         inputs are images (C, H, W) of 1 or 3 channels, and not a stream's (read in order: a pass over it)."""
-        if not self.enabled or isinstance(items.dataset, Stream) or not is_image(items[(epoch, 0, 0)][0]):
+        if not self.enabled or isinstance(items.dataset, Stream) or not reporting.is_image(items[(epoch, 0, 0)][0]):
             return
         picks = torch.linspace(0, len(items) - 1, min(count, len(items))).long().tolist()  # of every class
         images = [items[(epoch, i, i)][0] for i in picks]
-        if all(is_image(image) and image.shape == images[0].shape for image in images):
+        if all(reporting.is_image(image) and image.shape == images[0].shape for image in images):
             batch = torch.stack(images)
             if batch.is_floating_point():  # TensorBoard draws floats from 0 to 1: each image from its min to its max
                 low = batch.amin(dim=(1, 2, 3), keepdim=True)
@@ -1287,7 +885,9 @@ class Logger:
                     if isinstance(value, float):
                         self.writer.add_scalar(f"val/{name}", value, global_step)
                 if confusion.shape == (len(self.names), len(self.names)):
-                    self.writer.add_image("val/confusion", confusion_image(confusion, self.names), global_step)
+                    self.writer.add_image(
+                        "val/confusion", reporting.confusion_image(confusion, self.names), global_step
+                    )
                 self.writer.flush()
 
     def img_per_s(self):
@@ -1299,111 +899,4 @@ class Logger:
                 self.writer.close()
 
 
-def is_image(value):
-    return torch.is_tensor(value) and value.dim() == 3 and value.shape[0] in (1, 3)
-
-
-def quiet_tensorboard_thread(hook):
-    """threading.excepthook: TensorBoard's writer thread re-raises its I/O error, and Logger.writing() says it in one
-    line from the main thread: the thread's own traceback would only repeat it. Any other thread's as usual."""
-    if not (isinstance(hook.exc_value, OSError) and type(hook.thread).__module__.startswith("tensorboard")):
-        threading.__excepthook__(hook)
-
-
-def confusion_image(confusion, classes):
-    """val/confusion, (3, H, W) uint8: rows true classes, columns predicted, shares white to blue (square root: small
-    ones show); up to 30 classes named with each cell's %; the weakest listed beside (docs/data.md)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    n = len(confusion)
-    counts = confusion.sum(dim=1).tolist()  # validation images per true class
-    font = ImageFont.load_default(size=12)
-    rows = confusion.double() / confusion.sum(dim=1, keepdim=True).clamp(min=1)  # each row's shares
-    # each class's name (its first 24 characters) and its count of images
-    labels = [f"{str(name)[:24]}{'…' * (len(str(name)) > 24)} ({count})" for name, count in zip(classes, counts)]
-    blue = torch.tensor([247, 207, 148])  # 255 - (8, 48, 107): white to dark blue
-
-    def paint(share):
-        """An RGB image of shares (0 to 1): white to dark blue, by the square root."""
-        return Image.fromarray((255 - share.sqrt()[..., None] * blue).byte().numpy())
-
-    if n <= 30:  # cells that hold their %, the names beside the grid
-        cell = 34
-        side = 12 + int(max(map(font.getlength, labels)))
-    else:  # the grid alone, about 600 pixels wide (a pixel a cell past 600 classes)
-        cell = 600 // n or 1
-        side = 10
-    weak = [i for i in rows.diagonal().argsort().tolist() if counts[i] and rows[i, i] < 1][:20]  # with mistakes
-    other = (rows[weak] - 2 * torch.eye(n)[weak]).argmax(1).tolist()  # each one's most frequent wrong prediction
-    notes = (
-        ["weakest classes: accuracy; most often taken for" if weak else "no validation image mistaken"]
-        + [f"{rows[i, i]:.0%}  {labels[i]}: {labels[j]} {rows[i, j]:.0%}" for i, j in zip(weak, other)]
-        + ["", "rows: true class (validation images), columns: predicted; % of each row"]
-    )
-    grid = n * cell
-    canvas = Image.new(
-        "RGB",
-        (side + grid + 80 + int(max(map(font.getlength, notes))), side + max(grid, 22 * len(notes) + 20) + 10),
-        "white",
-    )
-    canvas.paste(paint(rows).resize((grid, grid), Image.NEAREST), (side, side))
-    canvas.paste(paint(torch.linspace(1, 0, grid)[:, None].expand(grid, 14)), (side + grid + 10, side))  # the scale
-    draw = ImageDraw.Draw(canvas)
-    strip = Image.new("RGB", (side, grid), "white")  # the names, pasted along both axes
-    for share in (0, 0.05, 0.25, 0.5, 1):
-        draw.text((side + grid + 28, side + (1 - share**0.5) * grid), f"{share:.0%}", "black", font, anchor="lm")
-    if n <= 30:
-        for i, j in confusion.nonzero().tolist():
-            draw.text(
-                (side + (j + 0.5) * cell, side + (i + 0.5) * cell),
-                f"{100 * rows[i, j]:.0f}",
-                "white" if rows[i, j] > 0.3 else "black",
-                font,
-                anchor="mm",
-            )
-        for i in range(n):
-            ImageDraw.Draw(strip).text((6, (i + 0.5) * cell), labels[i], "black", font, anchor="lm")
-    canvas.paste(strip, (0, side))
-    canvas.paste(strip.rotate(90, expand=True), (side, 0))
-    draw.multiline_text((side + grid + 70, side), "\n".join(notes), "black", font, spacing=8)
-    return torch.from_numpy(numpy.array(canvas)).permute(2, 0, 1)
-
-
 # --------------------------------------------------------------------------------------------- profiling
-class Profiler:
-    """--profile N: torch.profiler over N steps after 3 warm-up steps: trace.json (https://ui.perfetto.dev), the top
-    operators, the peak memory (tools/profile_report.py: where the step time went, the collectives per step)."""
-
-    def __init__(self, output_dir, steps, enabled=True):
-        self.output_dir = output_dir
-        self.profile = None
-        if steps and enabled:  # (the accelerator's activity too: torch's default)
-            schedule = torch.profiler.schedule(wait=0, warmup=3, active=steps, repeat=1)
-            self.profile = torch.profiler.profile(schedule=schedule, on_trace_ready=self.report, profile_memory=True)
-            self.profile.start()
-
-    def step(self):
-        if self.profile:
-            self.profile.step()
-
-    def close(self):
-        if self.profile:
-            self.profile.stop()
-
-    def report(self, profile):
-        trace = self.output_dir / "trace.json"
-        cuda = torch.cuda.is_available()
-        profile.export_chrome_trace(str(trace))
-        print(
-            profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=8)
-        )
-        peak = (
-            f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB on the GPU"
-            if cuda
-            else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-        )
-        print(
-            f"profile: peak memory {peak}; trace in {trace}; where the step time went, and the collectives per "
-            f"step: python tools/profile_report.py {trace}",
-            flush=True,
-        )

@@ -102,7 +102,7 @@ def bare(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bare")
     for script in REPO.glob("train_*.py"):
         shutil.copy(script, folder)
-    for name in ("utils.py", "dist_utils.py", "fsdp_utils.py", "builtin.py"):
+    for name in ("utils.py", "guards.py", "reporting.py", "dist_utils.py", "fsdp_utils.py", "builtin.py"):
         shutil.copy(REPO / name, folder)
     return folder
 

@@ -26,7 +26,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from builtin import IMAGE_EXTENSIONS
-from utils import ArgumentParser, UsageError
+from guards import ArgumentParser, UsageError
 
 TEMPORARY = ".shrink-tmp"  # suffix of the hidden files being written; the training scripts skip hidden files
 MAX_SIDE = 512  # twice the evaluation resize (256) of the default 224-pixel crop; about ImageNet's own 500 x 375

@@ -619,7 +619,7 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
         ended.append(run_sh("single", *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / name, env=env))
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    for name in ("train_single.py", "utils.py", "builtin.py"):
+    for name in ("train_single.py", "utils.py", "guards.py", "reporting.py", "builtin.py"):
         shutil.copy(REPO / name, checkout)
     (checkout / "data").write_text("not a folder: data/demo cannot be made here")
     ended.append(run([sys.executable, "train_single.py", *DEFAULTS, "--output-dir", tmp_path / "demo"], cwd=checkout))

@@ -50,7 +50,15 @@ def test_run_sh_copied_without_its_tools_runs_the_launcher_itself_or_says_what_i
     """run.sh and a rung copied into a project, tools/ left behind: the job runs under torchrun as it is (one line
     says what run.sh leaves out then); the modes that need a tool end in one line naming it."""
     folder = tmp_path
-    for name in ("run.sh", "train_ddp_torchrun.py", "utils.py", "dist_utils.py", "builtin.py"):
+    for name in (
+        "run.sh",
+        "train_ddp_torchrun.py",
+        "utils.py",
+        "guards.py",
+        "reporting.py",
+        "dist_utils.py",
+        "builtin.py",
+    ):
         shutil.copy(REPO / name, folder)
     job = run(
         [

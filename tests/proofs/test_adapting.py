@@ -42,6 +42,7 @@ import numpy
 import pytest
 import torch
 
+import guards
 import utils
 from support import (
     BF16,
@@ -895,11 +896,12 @@ STOP_AT = "epoch 2/3  step 5/12"  # mid-epoch, the epoch after a best.pt, so tha
 
 
 def users_project(folder, rung, task):
-    """folder/ with the rung and its helpers copied in (utils.py; dist_utils.py where a launcher starts it;
-    fsdp_utils.py for FSDP), the rung's task block replaced by the user's; the DDP rungs register the user's hook."""
+    """folder/ with the rung and its helpers copied in (utils.py, guards.py, reporting.py; dist_utils.py where a
+    launcher starts it; fsdp_utils.py for FSDP), the rung's task block replaced by the user's; the DDP rungs register
+    the user's hook."""
     folder.mkdir()
     script = RUNGS[rung][0]
-    helpers = ["utils.py"]
+    helpers = ["utils.py", "guards.py", "reporting.py"]
     if RUNGS[rung][1]:  # started by a launcher
         helpers.append("dist_utils.py")
     if rung == "fsdp":
@@ -1146,7 +1148,7 @@ def test_a_copys_item_check_names_a_users_slips_in_one_line(task, runs):
     train_set, val_set = utils.check_datasets(*sets, copy.input_problem, copy.target_problem, copy.collate)
     assert isinstance(train_set, utils.Stream) == (task == "stream")
     for item, words in slips(task, train_set[0]):
-        with pytest.raises(utils.UsageError) as refused:
+        with pytest.raises(guards.UsageError) as refused:
             utils.check_datasets(One(item), val_set, sets[2], copy.input_problem, copy.target_problem, copy.collate)
         line = str(refused.value)
         assert (
@@ -1183,7 +1185,7 @@ def test_weights_that_drift_apart_end_the_job_in_one_line(tmp_path):
         text = text.replace(old, new, 1)
     script = (REPO / "train_ddp_torchrun.py").read_text()
     start, end = re.search(r"^# -+ your task$", script, re.M).start(), script.index("def main(args):")
-    for name in ("utils.py", "dist_utils.py"):
+    for name in ("utils.py", "guards.py", "reporting.py", "dist_utils.py"):
         shutil.copy(REPO / name, tmp_path)
     (tmp_path / "train_ddp_torchrun.py").write_text(script[:start] + text + "\n\n" + script[end:])
     ended = run(

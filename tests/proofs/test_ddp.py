@@ -359,7 +359,7 @@ def users_copy(folder, code):
     """train_ddp_torchrun.py, utils.py and dist_utils.py in folder (no builtin.py), the task block's flags, data and
     model replaced by code (our other definitions kept)."""
     folder.mkdir()
-    for name in ("utils.py", "dist_utils.py"):
+    for name in ("utils.py", "guards.py", "reporting.py", "dist_utils.py"):
         shutil.copy(REPO / name, folder)
     text = (REPO / "train_ddp_torchrun.py").read_text()
     for name in ("add_task_arguments", "build_datasets", "build_model"):  # ours of the others kept

@@ -263,7 +263,7 @@ def bf16_with_a_dtype_hook(tiny_data, out):
     convolution met: (the process, those (layer, input, weight, output) dtypes)."""
     copy = out / "copy"
     copy.mkdir()
-    for name in ("utils.py", "dist_utils.py", "fsdp_utils.py", "builtin.py"):
+    for name in ("utils.py", "guards.py", "reporting.py", "dist_utils.py", "fsdp_utils.py", "builtin.py"):
         shutil.copy(REPO / name, copy)
     hook = (
         "    seen = set()  # (test) the dtypes each layer type meets\n"

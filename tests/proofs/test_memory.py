@@ -74,18 +74,21 @@ def test_forked_worker_reads_samples_without_copying_them():
 READ_IN_A_PROCESS = """if True:
     import re, sys
     sys.path.insert(0, sys.argv[1])
-    import builtin, utils
+    import builtin, guards
 
     def peak():  # the process's peak resident size so far, MiB
         return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1]) >> 10
 
     if sys.argv[3] == "unchecked":  # (the control: what reading it costs without the check)
-        utils.check_archive = lambda path, flag: None
+        guards.check_archive = lambda path, flag: None
     imported = peak()  # torch and torchvision (their libraries' pages resident: 0.7-1.3 GiB, by the page cache)
     try:
-        builtin.decode_image(sys.argv[2]) if sys.argv[2].endswith(".jpg") else utils.load_file(sys.argv[2], "--resume")
+        if sys.argv[2].endswith(".jpg"):
+            builtin.decode_image(sys.argv[2])
+        else:
+            guards.load_checked(sys.argv[2], "--resume")
         print("read")
-    except utils.UsageError as refused:
+    except guards.UsageError as refused:
         print(refused)
     print(peak() - imported)  # what reading the file added to the peak
 """

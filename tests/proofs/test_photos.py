@@ -18,6 +18,7 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
 import builtin
+import reporting
 import utils
 from support import REPO, job_env, logger, run_sh
 
@@ -277,14 +278,14 @@ def grey(image):
 def test_confusion_picture_names_shares_and_colours():
     classes = list(builtin.DEMO_CLASSES)
     confusion = torch.tensor([[8, 2, 0, 0, 0], [0, 7, 2, 0, 1], [3, 0, 6, 1, 0], [0, 0, 0, 9, 1], [0, 1, 1, 0, 8]])
-    image = utils.confusion_image(confusion, classes)
+    image = reporting.confusion_image(confusion, classes)
     assert image.dtype == torch.uint8 and image.shape[0] == 3
     assert 5 * 34 < image.shape[1] < 600 and 5 * 34 + 480 < image.shape[2] < 1200, image.shape
     assert not grey(image)  # the colour scale, not the bare grey grid
     left = image[:, 60 : image.shape[1] // 2, :40]  # where the first letters of the row names are
     assert (left.max(dim=0).values < 100).sum() > 30, "no text left of the rows"
-    assert not torch.equal(image, utils.confusion_image(confusion, ["a", "b", "c", "d", "e"]))  # the names drawn
-    assert not torch.equal(image, utils.confusion_image(confusion.flip(1), classes))  # and the shares
+    assert not torch.equal(image, reporting.confusion_image(confusion, ["a", "b", "c", "d", "e"]))  # the names drawn
+    assert not torch.equal(image, reporting.confusion_image(confusion.flip(1), classes))  # and the shares
 
 
 def test_confusion_picture_for_many_classes_lists_the_weakest():
@@ -293,7 +294,7 @@ def test_confusion_picture_for_many_classes_lists_the_weakest():
     confusion[17, 17] = 0  # the weakest class
     names = [f"n{i:08d} a rather long class name {i}" for i in range(1000)]
     start = time.perf_counter()
-    image = utils.confusion_image(confusion, names)
+    image = reporting.confusion_image(confusion, names)
     seconds = time.perf_counter() - start
     assert seconds < 5, f"{seconds:.1f} s for 1000 classes (it runs once per epoch)"
     assert image.shape[1] >= 600 and image.shape[2] >= 1000 and not grey(image)
@@ -327,7 +328,7 @@ def test_confusion_picture_reaches_tensorboard_where_the_metrics_have_one(tmp_pa
     events.Reload()
     [logged] = events.Images("val/confusion")
     picture = TF.pil_to_tensor(Image.open(io.BytesIO(logged.encoded_image_string)).convert("RGB"))
-    assert torch.equal(picture, utils.confusion_image(confusion, ["cat", "dog"]))
+    assert torch.equal(picture, reporting.confusion_image(confusion, ["cat", "dog"]))
 
 
 def test_training_image_grid_for_any_dataset(tmp_path):

@@ -26,6 +26,8 @@ import builtin
 import dist_utils
 import fsdp_utils
 import train_single  # its task block: the default loss, optimizer and target check
+import guards
+import reporting
 import utils
 from support import logger
 
@@ -37,14 +39,17 @@ sys.path.insert(0, sys.argv[1])
 sys.modules["torchvision"] = None  # not installed: a copy with its own task needs none (builtin.py does)
 sys.modules["torch.distributed.checkpoint"] = None  # FSDP's checkpoints (fsdp_utils.py)
 import utils
+import guards
+import reporting
 import dist_utils
 print("imported")
 """
 
 
 def test_a_copier_pays_only_for_the_helpers_of_its_rung():
-    """utils.py (all that train_single.py and train_dp.py import) and dist_utils.py (what the DDP rungs add) import
-    without torchvision and without FSDP's checkpoint machinery, and utils.py uses nothing of torch.distributed."""
+    """utils.py, guards.py and reporting.py (all that train_single.py and train_dp.py import) and dist_utils.py (what
+    the DDP rungs add) import without torchvision and without FSDP's checkpoint machinery, and none of the three
+    uses anything of torch.distributed, nor recognises DDP's or FSDP's errors (dist_utils.py and fsdp_utils.py do)."""
     proc = subprocess.run(
         [sys.executable, "-c", HELPERS_ALONE, str(Path(utils.__file__).parent)],
         capture_output=True,
@@ -52,8 +57,11 @@ def test_a_copier_pays_only_for_the_helpers_of_its_rung():
         timeout=120,
     )
     assert proc.stdout == "imported\n", proc.stderr[-2000:]
-    source = Path(utils.__file__).read_text()
-    assert "torch.distributed" not in source and "import dist" not in source
+    for module in (utils, guards, reporting):
+        source = Path(module.__file__).read_text()
+        assert "torch.distributed" not in source and "import dist" not in source, module
+        for words in ("Expected to have finished reduction", "unexpected pos", "Missing key in checkpoint state_dict"):
+            assert words not in source, (module, words)
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -87,7 +95,7 @@ def parse(*args):
     ],
 )
 def test_every_numeric_flag_is_checked_by_name(args, words):
-    with pytest.raises(utils.UsageError, match=None) as refused:
+    with pytest.raises(guards.UsageError, match=None) as refused:
         parse(*args)
     assert words in str(refused.value)
 
@@ -137,7 +145,7 @@ def test_epochs_default_to_the_demos_12_and_a_folders_30(args, epochs):
 def test_the_device_for_each_accelerator(requested, accelerator, count, processes, expected, capsys):
     """What a machine with CUDA (and ROCm, which poses as CUDA), an Intel GPU (XPU), Apple's MPS or only a CPU gets,
     as the function the scripts call decides it (utils.get_device gives it torch.accelerator's answers)."""
-    assert utils.choose_device(requested, accelerator, count, processes) == torch.device(expected)
+    assert guards.choose_device(requested, accelerator, count, processes) == torch.device(expected)
     if accelerator == "mps" and processes:
         assert capsys.readouterr().out.startswith(
             "Apple MPS has no backend for several processes: they train on the CPU (gloo)"
@@ -156,8 +164,8 @@ def test_the_device_for_each_accelerator(requested, accelerator, count, processe
     ],
 )
 def test_a_device_that_cannot_be_used_is_refused_in_one_line(requested, accelerator, count, processes, words):
-    with pytest.raises(utils.UsageError, match=re.escape(words)):
-        utils.choose_device(requested, accelerator, count, processes)
+    with pytest.raises(guards.UsageError, match=re.escape(words)):
+        guards.choose_device(requested, accelerator, count, processes)
 
 
 def test_the_backend_follows_the_device():
@@ -207,7 +215,7 @@ DEFAULT_CHECKS = (train_single.input_problem, train_single.target_problem, train
 def test_a_wrong_item_is_named_with_the_contract(item, words):
     """utils.check_datasets with the rungs' default input_problem, target_problem (a classifier's int label) and
     collate."""
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.check_datasets(Items(item), Items(GOOD), ["a", "b", "c"], *DEFAULT_CHECKS)
     message = str(refused.value)
     assert message.startswith("the training set's items must be (input, target) pairs; ") and words in message, message
@@ -231,11 +239,11 @@ def test_a_task_checks_its_own_inputs_and_targets():
 
     vector = Items((torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([1.0, 0.0, 1.0])))
     utils.check_datasets(vector, vector, ["a", "b", "c"], train_single.input_problem, multi_label, train_single.collate)
-    with pytest.raises(utils.UsageError, match="a label is an int from 0 to 2"):
+    with pytest.raises(guards.UsageError, match="a label is an int from 0 to 2"):
         utils.check_datasets(vector, vector, ["a", "b", "c"], *DEFAULT_CHECKS)
     text = Items((torch.tensor([5, 7, 9]), 1))
     utils.check_datasets(text, text, ["a", "b"], token_ids, train_single.target_problem, train_single.collate)
-    with pytest.raises(utils.UsageError, match="write input_problem\\(\\) and run_model\\(\\) of your own"):
+    with pytest.raises(guards.UsageError, match="write input_problem\\(\\) and run_model\\(\\) of your own"):
         utils.check_datasets(text, text, ["a", "b"], *DEFAULT_CHECKS)
 
 
@@ -250,7 +258,7 @@ class Sized(torch.utils.data.Dataset):
 
 
 def test_items_the_collate_cannot_batch_are_named_before_training():
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.check_datasets(Sized(), Items(GOOD), ["a", "b", "c"], *DEFAULT_CHECKS)
     assert str(refused.value).startswith(
         "collate() cannot batch the training set's first two items (stack expects each tensor to be equal size"
@@ -260,9 +268,9 @@ def test_items_the_collate_cannot_batch_are_named_before_training():
 
 
 def test_an_empty_validation_set_and_no_names_are_refused():
-    with pytest.raises(utils.UsageError, match="the validation set is empty"):
+    with pytest.raises(guards.UsageError, match="the validation set is empty"):
         utils.check_datasets(Items(GOOD), [], ["a", "b", "c"], *DEFAULT_CHECKS)
-    with pytest.raises(utils.UsageError, match="build_datasets\\(\\) returned no names: give one per model output"):
+    with pytest.raises(guards.UsageError, match="build_datasets\\(\\) returned no names: give one per model output"):
         utils.check_datasets(Items(GOOD), Items(GOOD), [], *DEFAULT_CHECKS)
 
 
@@ -301,7 +309,7 @@ def test_a_stream_is_read_in_order_and_each_item_drawn_alike_whichever_were_skip
 
 
 def test_a_stream_shorter_than_its_len_and_one_without_len_are_named():
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.Stream(Counting(count=4, length=6)).item(0, 5)
     assert str(refused.value).startswith("the stream ended after 4 items of epoch 1, but its len() is 6: make len()")
 
@@ -309,9 +317,11 @@ def test_a_stream_shorter_than_its_len_and_one_without_len_are_named():
         def __iter__(self):
             yield GOOD
 
-    with pytest.raises(utils.UsageError, match="the training set is a stream \\(an IterableDataset\\) without __len__"):
+    with pytest.raises(
+        guards.UsageError, match="the training set is a stream \\(an IterableDataset\\) without __len__"
+    ):
         utils.check_datasets(Endless(), Items(GOOD), ["a", "b", "c"], *DEFAULT_CHECKS)
-    with pytest.raises(utils.UsageError, match="the training set is a generator without __len__ and __getitem__"):
+    with pytest.raises(guards.UsageError, match="the training set is a generator without __len__ and __getitem__"):
         utils.check_datasets((item for item in [GOOD]), Items(GOOD), ["a", "b", "c"], *DEFAULT_CHECKS)
     train, val = utils.check_datasets(Counting(), Items(GOOD), ["a", "b", "c"], *DEFAULT_CHECKS)
     assert isinstance(train, utils.Stream) and val.__class__ is Items
@@ -358,7 +368,7 @@ def test_a_new_stage_is_a_change_of_the_trained_parameters():
 
 def test_the_metric_best_pt_follows_is_named_if_missing():
     assert utils.beats_best({"acc": 0.5}, "acc", 0.4, True) and not utils.beats_best({"mse": 0.5}, "mse", 0.4, False)
-    with pytest.raises(utils.UsageError, match="Metrics.best is 'ema_acc', but the metrics are loss, acc: name one"):
+    with pytest.raises(guards.UsageError, match="Metrics.best is 'ema_acc', but the metrics are loss, acc: name one"):
         utils.beats_best({"loss": 0.1, "acc": 0.5}, "ema_acc", None, True)
 
 
@@ -470,7 +480,7 @@ def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(ch
     shutil.copy(checkpoint_file.with_name("best.pt"), run / "best.pt")
     data = checkpoint_file.read_bytes()
     (run / "last.pt").write_bytes(data[: len(data) // 3])
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.load_checkpoint(run / "last.pt", ["a", "b", "c"])
     message = str(refused.value)
     assert "not a readable checkpoint, perhaps cut short (" in message, message
@@ -480,7 +490,7 @@ def test_a_truncated_last_pt_names_the_intact_best_pt_and_is_not_cut_mid_word(ch
     ), message
     assert "(PytorchStreamReader failed reading zip archive: failed finding central directory); " in message  # whole
     (run / "best.pt").write_bytes(data[:100])  # no intact best.pt: nothing promised
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.load_checkpoint(run / "last.pt", ["a", "b", "c"])
     assert "intact" not in str(refused.value)
 
@@ -496,16 +506,16 @@ class RunsCode:
 def test_a_pickled_checkpoint_is_refused_as_unsafe_and_runs_nothing(tmp_path):
     marker = tmp_path / "code-ran"
     torch.save({"model": {}, "optimizer": RunsCode(marker)}, tmp_path / "last.pt")
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.load_checkpoint(tmp_path / "last.pt", ["a"])
     assert "refused as unsafe" in str(refused.value) and not marker.exists(), str(refused.value)
 
 
 def test_a_resume_into_other_classes_names_them(checkpoint_file):
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.load_checkpoint(checkpoint_file, ["a", "b", "d", "e"])
     assert "(names only in the checkpoint: c; only here: d, e)" in str(refused.value), str(refused.value)
-    with pytest.raises(utils.UsageError, match="the same names in another order"):
+    with pytest.raises(guards.UsageError, match="the same names in another order"):
         utils.load_checkpoint(checkpoint_file, ["c", "b", "a"])
 
 
@@ -515,7 +525,7 @@ def test_a_full_disk_says_no_space_left(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        with pytest.raises(utils.UsageError) as refused:
+        with pytest.raises(guards.UsageError) as refused:
             utils.save_checkpoint({"model": {"w": torch.zeros(1_000_000)}}, disk)
         assert "cannot write" in str(refused.value) and "(No space left on device)" in str(refused.value)
         assert os.listdir(disk) == []  # no temporary file left
@@ -557,7 +567,7 @@ def test_a_shard_cut_short_is_one_line_naming_best_pt(sharded, tmp_path):
     shard = next((tmp_path / "run" / "last-step1-1.dcp").glob("*.distcp"))
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         fsdp_utils.sharded_checkpoint(tmp_path / "run", "last-step1-1.dcp")
     assert str(refused.value).startswith(f"--resume: the shard last-step1-1.dcp/{shard.name} is cut short or missing")
     assert str(refused.value).endswith(
@@ -578,7 +588,7 @@ def test_a_flipped_bit_in_a_shard_is_one_line_naming_best_pt(sharded, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x04
     shard.write_bytes(data)
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         fsdp_utils.sharded_checkpoint(tmp_path / "run", "last-step1-1.dcp")
     assert str(refused.value) == (
         f"--resume: the shard file last-step1-1.dcp/{shard.name} is damaged or missing (its size or CRC is not the "
@@ -599,8 +609,8 @@ def test_a_flipped_bit_or_an_entry_that_would_inflate_is_refused_before_torch_lo
     data[at] ^= 0x10
     (tmp_path / "last.pt").write_bytes(data)
     assert not torch.equal(torch.load(tmp_path / "last.pt", weights_only=True)["model"]["w"], torch.arange(1000.0))
-    with pytest.raises(utils.UsageError) as refused:
-        utils.load_file(tmp_path / "last.pt", "--resume")
+    with pytest.raises(guards.UsageError) as refused:
+        guards.load_checked(tmp_path / "last.pt", "--resume")
     assert str(refused.value) == (
         f"--resume {tmp_path / 'last.pt'}: damaged (last/data/0 fails its CRC check); {tmp_path / 'best.pt'} is "
         f"intact: continue from it with --resume {tmp_path / 'best.pt'}, or start from its weights with --weights "
@@ -608,8 +618,8 @@ def test_a_flipped_bit_or_an_entry_that_would_inflate_is_refused_before_torch_lo
     )
     with zipfile.ZipFile(tmp_path / "inflates.pt", "w", zipfile.ZIP_DEFLATED) as crafted:
         crafted.writestr("archive/data.pkl", b"\0" * (8 << 20))
-    with pytest.raises(utils.UsageError) as refused:
-        utils.load_file(tmp_path / "inflates.pt", "--resume")
+    with pytest.raises(guards.UsageError) as refused:
+        guards.load_checked(tmp_path / "inflates.pt", "--resume")
     assert str(refused.value).startswith(
         f"--resume {tmp_path / 'inflates.pt'}: its entry archive/data.pkl would inflate to 8388608 bytes from "
     ) and str(refused.value).endswith(
@@ -629,7 +639,7 @@ def test_a_crafted_metadata_pickle_runs_no_code(sharded, tmp_path):
     run, state = sharded
     shutil.copytree(run / "last-step1-1.dcp", tmp_path / "last-step1-1.dcp")
     (tmp_path / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "code-ran")))
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         fsdp_utils.sharded_checkpoint(tmp_path, "last-step1-1.dcp")
     assert ".metadata was refused (posix.mkdir is not a type of a checkpoint's metadata)" in str(refused.value)
     assert not (tmp_path / "code-ran").exists()
@@ -644,7 +654,7 @@ def test_a_crafted_item_runs_no_code(sharded, tmp_path):
         dcp.save(crafted, checkpoint_id=tmp_path / "last-step1-1.dcp")
     with pytest.raises(BaseException) as refused:  # dcp's CheckpointException, which the rung ends in one line
         load(tmp_path, "last-step1-1.dcp", state(0.5))
-    assert utils.failure_of_every_rank(refused.value).startswith(
+    assert fsdp_utils.sharded_checkpoint_failure(refused.value).startswith(
         "--resume: the sharded checkpoint holds Python objects besides tensors"
     )
     assert not (tmp_path / "code-ran").exists()
@@ -669,7 +679,7 @@ def test_the_shards_folder_must_be_a_folder_of_the_run(sharded, tmp_path, name):
     shutil.copytree(run / "last-step1-1.dcp", tmp_path / "elsewhere" / "last-step1-1.dcp")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "last-link.dcp").symlink_to(tmp_path / "elsewhere" / "last-step1-1.dcp")
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         fsdp_utils.sharded_checkpoint(tmp_path / "run", name)
     assert "are not a folder beside it" in str(refused.value)
 
@@ -679,8 +689,8 @@ def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path):
     """A file where the run folder should be (as a read-only or full disk, an OSError from mkdir or from opening the
     lock): one line naming the folder and the way, not a traceback."""
     (tmp_path / "taken").write_text("a file, not a folder")
-    with pytest.raises(utils.UsageError) as refused:
-        utils.claim_output_dir(tmp_path / "taken" / "run")
+    with pytest.raises(guards.UsageError) as refused:
+        guards.claim_output_dir(tmp_path / "taken" / "run")
     assert str(refused.value) == (
         f"cannot write into {tmp_path / 'taken' / 'run'} (Not a directory): choose another "
         f"--output-dir, or make that one writable"
@@ -695,23 +705,23 @@ def test_a_run_folder_is_held_by_one_job_and_free_once_it_ends(tmp_path):
     holder = os.fork()
     if holder == 0:  # the first job
         try:
-            utils.claim_output_dir(folder)
+            guards.claim_output_dir(folder)
             os.write(write, b"held")
             signal.pause()
         finally:
             os._exit(0)
     try:
         assert os.read(read, 4) == b"held"
-        with pytest.raises(utils.UsageError) as refused:
-            utils.claim_output_dir(folder)
+        with pytest.raises(guards.UsageError) as refused:
+            guards.claim_output_dir(folder)
         assert str(refused.value).startswith(f"{folder} is in use by another job (pid {holder} on ")
         assert "let it end (or stop it) before you resume it, or choose another --output-dir" in str(refused.value)
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
-    utils.claim_output_dir(folder)  # free again
+    guards.claim_output_dir(folder)  # free again
     assert (folder / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
-    utils._RUN_DIR.pop("lock").close()
+    guards._RUN_DIR.pop("lock").close()
 
 
 def args_for(output_dir, resume=None, test_only=False):
@@ -719,7 +729,7 @@ def args_for(output_dir, resume=None, test_only=False):
 
 
 def test_a_run_writes_only_where_it_overwrites_nothing_of_another(tmp_path):
-    """utils.resolve_run: an --output-dir that holds files and is not a run folder of these scripts (no .lock) is
+    """guards.resolve_run: an --output-dir that holds files and is not a run folder of these scripts (no .lock) is
     refused in one line, even for --test-only and a resume from elsewhere; an empty folder, a run folder and the
     folder of the checkpoint resumed are taken (before: someone's best.pt and class_indices.json overwritten)."""
     someones = tmp_path / "someones"
@@ -729,25 +739,25 @@ def test_a_run_writes_only_where_it_overwrites_nothing_of_another(tmp_path):
     for args in (args_for(someones), args_for(someones, test_only=True, resume=tmp_path / "a" / "last.pt")):
         (tmp_path / "a").mkdir(exist_ok=True)
         (tmp_path / "a" / "last.pt").write_text("a checkpoint")
-        with pytest.raises(utils.UsageError) as refused:
-            utils.resolve_run(args, "train_single.py")
+        with pytest.raises(guards.UsageError) as refused:
+            guards.resolve_run(args, "train_single.py")
         assert str(refused.value) == (
             f"--output-dir {someones} holds files (best.pt, class_indices.json, notes.txt, ...) and is not a run "
             f"folder of these scripts (it has no .lock): choose a new or an empty folder"
         ), refused.value
     (tmp_path / "empty").mkdir()
-    assert utils.resolve_run(args_for(tmp_path / "empty"), "x.py") == (tmp_path / "empty", None)
+    assert guards.resolve_run(args_for(tmp_path / "empty"), "x.py") == (tmp_path / "empty", None)
     (someones / ".lock").write_text("")  # a run folder: a run that stopped before its first checkpoint
-    assert utils.resolve_run(args_for(someones), "x.py") == (someones, None)
+    assert guards.resolve_run(args_for(someones), "x.py") == (someones, None)
     ours = tmp_path / "a"
-    assert utils.resolve_run(args_for(ours, resume=ours / "last.pt"), "x.py") == (ours, ours / "last.pt")
+    assert guards.resolve_run(args_for(ours, resume=ours / "last.pt"), "x.py") == (ours, ours / "last.pt")
 
 
 def test_resume_auto_of_a_finished_run_without_its_last_pt_says_what_to_do(tmp_path):
     (tmp_path / ".lock").write_text("")
     (tmp_path / "results.json").write_text("{}")
-    with pytest.raises(utils.UsageError) as refused:
-        utils.resolve_run(args_for(tmp_path, resume="auto"), "x.py")
+    with pytest.raises(guards.UsageError) as refused:
+        guards.resolve_run(args_for(tmp_path, resume="auto"), "x.py")
     assert str(refused.value) == (
         f"--resume auto: {tmp_path} holds no last.pt to continue, only the results of a run that ended: choose a "
         f"new --output-dir (to start from its weights: --weights {tmp_path / 'best.pt'})"
@@ -759,8 +769,8 @@ def test_a_run_removes_only_its_own_temporary_files(tmp_path):
     (before: every .*.tmp)."""
     for name in (".last.pt.123.tmp", ".results.json.9.tmp", ".editor-swap.tmp", ".last.pt.tmp", ".x.1.tmp"):
         (tmp_path / name).write_text("")
-    utils.claim_output_dir(tmp_path)
-    utils._RUN_DIR.pop("lock").close()
+    guards.claim_output_dir(tmp_path)
+    guards._RUN_DIR.pop("lock").close()
     assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == [".editor-swap.tmp", ".last.pt.tmp", ".x.1.tmp"]
 
 
@@ -768,7 +778,7 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
     """An FSDP run's last.pt (its optimizer state names its shards) resumed by another script; RANK, LOCAL_RANK or
     WORLD_SIZE left in the shell for a one-process script (before: a wrong line about the disk, or nothing and an
     exit after 10 s, and another rank's randomness); the demo data that cannot be written (a read-only checkout)."""
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         utils.optimizer_state({"optimizer": "last-step3-1.dcp"}, tmp_path / "last.pt")
     assert str(refused.value) == (
         f"--resume {tmp_path / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in "
@@ -779,8 +789,8 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
         with monkeypatch.context() as env:
             env.setenv(name, value)
             env.setattr(sys, "argv", ["train_single.py"])
-            with pytest.raises(utils.OwnError) as refused:
-                utils.require_one_process()
+            with pytest.raises(guards.OwnError) as refused:
+                guards.require_one_process()
             assert str(refused.value) == (
                 f"train_single.py runs one process, but {name}={value} is set (a launcher's, left in the shell, or "
                 f"a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
@@ -788,10 +798,10 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
             )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")  # a launcher of one process: fine
-    utils.require_one_process()
+    guards.require_one_process()
     (tmp_path / "checkout").write_text("a file where the checkout's data/ would be: mkdir fails as read-only")
     monkeypatch.setattr(builtin, "DEMO_DIR", tmp_path / "checkout" / "data" / "demo")
-    with pytest.raises(utils.UsageError) as refused:
+    with pytest.raises(guards.UsageError) as refused:
         builtin.demo_data()
     assert str(refused.value) == (
         f"cannot write the demo data into {tmp_path / 'checkout' / 'data'} (Not a directory): give --data-path (a "
@@ -858,7 +868,7 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
 def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as ended:
-        with dist_utils.one_line_errors():  # utils.one_line_errors(), and what only a job of several processes meets
+        with dist_utils.one_line_errors():  # guards.one_line_errors(), and what only a job of several processes meets
             raise error
     err = capsys.readouterr().err
     assert ended.value.code == 1 and err.startswith(line) and err.count("\n") == 1, err
@@ -873,7 +883,7 @@ def test_a_sparse_gradient_under_the_default_optimizers_is_one_line(opt, capsys,
     args = argparse.Namespace(opt=opt, weight_decay=1e-4 if opt == "sgd" else 0.05)
     optimizer = train_single.build_optimizer(args, model, 0.1)
     with pytest.raises(SystemExit) as ended:
-        with utils.one_line_errors():
+        with guards.one_line_errors():
             model(torch.tensor([1, 2])).sum().backward()
             optimizer.step()
     err = capsys.readouterr().err
@@ -887,7 +897,7 @@ def test_a_sparse_gradient_under_the_default_optimizers_is_one_line(opt, capsys,
 
 def test_other_failures_keep_their_traceback(capsys):
     with pytest.raises(SystemExit):
-        with utils.one_line_errors():
+        with guards.one_line_errors():
             raise ZeroDivisionError("a bug of one's own")
     assert "Traceback" in capsys.readouterr().err
 
