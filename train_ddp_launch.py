@@ -177,7 +177,7 @@ def main(args):
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
     loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
-    # drop_last: the ranks' batches all full, the same number on each; without it the last ones repeat samples.
+    # drop_last: the tail that does not divide among the ranks is dropped (without it, padded with repeated samples).
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(
         utils.SeededItems(train_set, args.seed),

@@ -45,17 +45,7 @@ def logger(folder, names, epochs=1, steps_per_epoch=1, global_batch=2, print_fre
 FAST = ["--img-size", "32", "-b", "8", "--epochs", "2", "--workers", "0", "--print-freq", "1"]
 DEFAULTS = ["--img-size", "32", "-b", "8", "--epochs", "2", "--print-freq", "1", "--val-fraction", "0.25"]
 EXACT = [
-    "--img-size",
-    "32",
-    "--epochs",
-    "2",
-    "--workers",
-    "0",
-    "--print-freq",
-    "1",
-    "--val-fraction",
-    "0.25",
-    "--freeze",
+    *"--img-size 32 --epochs 2 --workers 0 --print-freq 1 --val-fraction 0.25 --freeze".split(),
 ]
 NAMED_WEIGHTS = [*EXACT, "--weights", "IMAGENET1K_V1"]  # torchvision's weights by name, from hub_cache
 BF16 = ["--amp-dtype", "bf16"]  # asked for by name: where the CPU has no bf16 arithmetic, the amp rung refuses it
@@ -455,12 +445,7 @@ def run_and_kill_one_worker(cwd, script, args, kill_after, victim, env=None):
     proc = start(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=1",
-            script,
+            *f"-m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=1 {script}".split(),
             *args,
         ],
         env=env,

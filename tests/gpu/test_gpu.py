@@ -140,7 +140,7 @@ def test_training_steps_never_wait_for_the_gpu():
         ("ddp", [1, "--sync-bn"]),
         ("fsdp", [1]),
     ],
-    ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn", "fsdp"],
+    ids=["single", "dp", "ddp", "launch", "amp-bf16", "amp-fp16-scaler-clip", "ddp-sync-bn-one-process-warns", "fsdp"],
 )
 def test_each_script_trains_on_cuda(tiny_data, tmp_path, mode, extra):
     nproc, flags = ([extra[0]], extra[1:]) if extra and isinstance(extra[0], int) else ([], extra)
@@ -171,10 +171,7 @@ def test_gpu_defaults_and_a_checkpoint_that_opens_without_a_gpu(tiny_data, tmp_p
         subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=1",
+                *"-m torch.distributed.run --standalone --nproc-per-node=1".split(),
                 str(tmp_path / "check.py"),
                 "train_ddp_amp.py",
                 *args_for(tiny_data, out),
@@ -251,20 +248,8 @@ def test_the_training_loop_reads_the_gpu_only_at_progress_lines(tiny_data, tmp_p
         run_sh(
             mode,
             1,
-            "--img-size",
-            "32",
-            "-b",
-            "2",
-            "--epochs",
-            "1",
-            "--val-fraction",
-            "0.25",
-            "--data-path",
-            tiny_data,
-            "--profile",
-            "10",
-            "--output-dir",
-            out,
+            *f"--img-size 32 -b 2 --epochs 1 --val-fraction 0.25 --data-path {tiny_data} --profile 10".split(),
+            *f"--output-dir {out}".split(),
             env=env(),
         )
     )
@@ -293,19 +278,7 @@ def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
     counted twice, would change the head's step by a third or more."""
     gpus = torch.cuda.device_count()
     common = [
-        "--img-size",
-        "32",
-        "-b",
-        "16",
-        "--epochs",
-        "2",
-        "--print-freq",
-        "1",
-        "--val-fraction",
-        "0.25",
-        "--freeze",
-        "--data-path",
-        tiny_data,
+        *f"--img-size 32 -b 16 --epochs 2 --print-freq 1 --val-fraction 0.25 --freeze --data-path {tiny_data}".split(),
     ]
     dp = ok(run_sh("dp", *common, "--output-dir", tmp_path / "dp", env=env()))
     assert f"global batch 16 split over {gpus} device(s)" in dp.stdout and "unwrapped" not in dp.stdout, dp.stdout

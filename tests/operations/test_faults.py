@@ -44,23 +44,8 @@ def test_profile_writes_a_trace_and_counts_the_syncs_per_step(tiny_data, tmp_pat
     proc = torchrun(
         2,
         "train_ddp_torchrun.py",
-        "--img-size",
-        "32",
-        "-b",
-        "1",
-        "--epochs",
-        "1",
-        "--workers",
-        "0",
-        "--freeze",
-        "--data-path",
-        tiny_data,
-        "--val-fraction",
-        "0.25",
-        "--profile",
-        "10",
-        "--output-dir",
-        tmp_path / "run",
+        *f"--img-size 32 -b 1 --epochs 1 --workers 0 --freeze --data-path {tiny_data} --val-fraction 0.25".split(),
+        *f"--profile 10 --output-dir {tmp_path / 'run'}".split(),
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -106,15 +91,8 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_last_checkpoint(tiny_data,
         2,
         "train_ddp_torchrun.py",
         *FAST,
-        "--freeze",
-        "--data-path",
-        tiny_data,
-        "--val-fraction",
-        "0.25",
-        "--save-every",
-        "1",
-        "--output-dir",
-        small_disk / "run",
+        *f"--freeze --data-path {tiny_data} --val-fraction 0.25 --save-every 1".split(),
+        *f"--output-dir {small_disk / 'run'}".split(),
         timeout=120,
     )
     assert proc.returncode != 0
@@ -167,24 +145,11 @@ def test_dist_timeout_ends_a_job_whose_peer_never_comes(tiny_data, tmp_path):
     job = start(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "--no-python",
-            "bash",
-            hanging_peer,
-            "train_ddp_torchrun.py",
+            *f"-m torch.distributed.run --standalone --nproc-per-node=2 --no-python bash {hanging_peer}".split(),
+            *"train_ddp_torchrun.py".split(),
             *FAST,
-            "--freeze",
-            "--data-path",
-            tiny_data,
-            "--val-fraction",
-            "0.25",
-            "--dist-timeout",
-            dist_timeout,
-            "--output-dir",
-            tmp_path / "run",
+            *f"--freeze --data-path {tiny_data} --val-fraction 0.25 --dist-timeout {dist_timeout}".split(),
+            *f"--output-dir {tmp_path / 'run'}".split(),
         ],
         timeout=200,
     )
@@ -249,14 +214,7 @@ def test_a_frozen_rank_ends_the_job_in_one_line_naming_dist_timeout(tiny_data, t
             "ddp",
             2,
             *DEFAULTS,
-            "-b",
-            "2",
-            "--data-path",
-            tiny_data,
-            "--dist-timeout",
-            10,
-            "--output-dir",
-            tmp_path / "run",
+            *f"-b 2 --data-path {tiny_data} --dist-timeout 10 --output-dir {tmp_path / 'run'}".split(),
         ),
         [],
         None,
@@ -286,16 +244,16 @@ class RunsCode:
         return (os.mkdir, (str(self.marker),))
 
 
-def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(tiny_data, tmp_path):
-    """A run folder whose last.pt is harmless (it loads with weights_only) but names a shard folder whose .metadata
-    is a pickle that runs code (torch's reader uses pickle.load): bash run.sh fsdp 2 --resume auto refuses it in one
-    line, and the code never runs."""
+def test_a_crafted_fsdp_run_folder_runs_no_code_on_resume(initial_weights, tiny_data, tmp_path):
+    """A run folder whose last.pt is harmless (it loads with weights_only, and its weights fit) but names a shard
+    folder whose .metadata is a pickle that runs code (torch's reader uses pickle.load): bash run.sh fsdp 2 --resume
+    auto refuses it in one line, and the code never runs."""
     folder, marker = tmp_path / "run", tmp_path / "code-ran"
     (folder / "last-step1-1.dcp").mkdir(parents=True)
     (folder / "last-step1-1.dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     torch.save(
         {
-            "model": {},
+            "model": initial_weights,
             "optimizer": "last-step1-1.dcp",
             "args": {"model": "resnet18"},
             "epoch": 0,
@@ -343,15 +301,8 @@ def test_a_full_disk_while_fsdp_writes_its_shards_is_one_line_and_keeps_the_last
             "fsdp",
             2,
             *FAST,
-            "--freeze",
-            "--data-path",
-            tiny_data,
-            "--val-fraction",
-            "0.25",
-            "--save-every",
-            "1",
-            "--output-dir",
-            small_disk / "run",
+            *f"--freeze --data-path {tiny_data} --val-fraction 0.25 --save-every 1".split(),
+            *f"--output-dir {small_disk / 'run'}".split(),
             env=job_env(),
         )
         check_full_disk(proc, small_disk, started)
@@ -453,17 +404,7 @@ def test_a_failed_first_best_pt_is_written_by_the_resumed_run(tiny_data, tmp_pat
             sys.executable,
             "train_single.py",
             *FAST,
-            "--freeze",
-            "--epochs",
-            "1",
-            "--data-path",
-            data,
-            "--val-fraction",
-            "0.25",
-            "--save-every",
-            "3",
-            "--output-dir",
-            run,
+            *f"--freeze --epochs 1 --data-path {data} --val-fraction 0.25 --save-every 3 --output-dir {run}".split(),
         ]
         first = subprocess.run(args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=150)
         assert first.returncode == 1, first.stderr[-3000:]
@@ -498,12 +439,7 @@ def test_an_image_bomb_in_a_folder_is_one_line_naming_it_undecoded(tiny_data, tm
             sys.executable,
             "train_single.py",
             *FAST,
-            "--data-path",
-            data,
-            "--val-fraction",
-            "0.25",
-            "--output-dir",
-            tmp_path / "run",
+            *f"--data-path {data} --val-fraction 0.25 --output-dir {tmp_path / 'run'}".split(),
         ],
         cwd=REPO,
         env=job_env(),

@@ -73,10 +73,7 @@ def in_host(host, command, hostname=None, hosts_file=None):
         return prefix + command
     return prefix + [
         "unshare",
-        "--uts",
-        "--mount",
-        "sh",
-        "-c",
+        *"--uts --mount sh -c".split(),
         'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
         "sh",
         str(hosts_file),

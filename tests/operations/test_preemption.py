@@ -172,18 +172,8 @@ def test_a_stop_comes_one_step_after_the_signal_whatever_the_print_freq(tiny_dat
         "ddp",
         2,
         *DEFAULTS,
-        "-b",
-        "2",
-        "--img-size",
-        "64",
-        "--print-freq",
-        "20",
-        "--save-every",
-        "1",
-        "--data-path",
-        tiny_data,
-        "--output-dir",
-        tmp_path / "run",
+        *f"-b 2 --img-size 64 --print-freq 20 --save-every 1 --data-path {tiny_data}".split(),
+        *f"--output-dir {tmp_path / 'run'}".split(),
     )
     last, deadline, saved = tmp_path / "run" / "last.pt", time.time() + 90, None
     while not last.exists() and job.poll() is None and time.time() < deadline:
@@ -244,10 +234,7 @@ def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
         mode,
         *([2] if mode == "launch" else []),
         *DEFAULTS,
-        "--data-path",
-        tiny_data,
-        "--output-dir",
-        folder / "run",
+        *f"--data-path {tiny_data} --output-dir {folder / 'run'}".split(),
     ]
     pid, terminal = pty.fork()
     if pid == 0:  # the child: bash run.sh in the terminal, as a user types it

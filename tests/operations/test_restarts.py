@@ -133,14 +133,7 @@ def test_restart_across_nodes_whose_agents_count_differently(exact_single, tiny_
         "ddp",
         1,
         *EXACT,
-        "--data-path",
-        tiny_data,
-        "-b",
-        "8",
-        "--save-every",
-        "1",
-        "--output-dir",
-        tmp_path / "run",
+        *f"--data-path {tiny_data} -b 8 --save-every 1 --output-dir {tmp_path / 'run'}".split(),
     ]
     nodes = [start_sh(*args, env=env, timeout=300) for _ in range(2)]
     outputs = [[], []]
@@ -187,22 +180,12 @@ def test_restarts_across_nodes_without_a_fresh_store_each_are_refused(tiny_data,
     port = free_port()
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
+        *"-m torch.distributed.run --nnodes=2 --nproc-per-node=1 --max-restarts=1 --rdzv-backend=c10d".split(),
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=test-shared-store",
         "train_ddp_torchrun.py",
         *EXACT,
-        "--data-path",
-        tiny_data,
-        "-b",
-        "8",
-        "--output-dir",
-        tmp_path / "run",
+        *f"--data-path {tiny_data} -b 8 --output-dir {tmp_path / 'run'}".split(),
     ]
     nodes = [start(cmd, env=env, timeout=200) for _ in range(2)]
     outputs = [finish(node, [], timeout=180) for node in nodes]

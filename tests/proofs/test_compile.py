@@ -47,15 +47,7 @@ def test_compiled_ddp_matches_eager_saves_plain_keys_and_resumes(
             2,
             *NAMED_WEIGHTS,
             *BF16,
-            "-b",
-            "8",
-            "--data-path",
-            tiny_data,
-            "--compile",
-            "--resume",
-            "auto",
-            "--output-dir",
-            tmp_path / "compiled",
+            *f"-b 8 --data-path {tiny_data} --compile --resume auto --output-dir {tmp_path / 'compiled'}".split(),
             env=env,
         )
     )

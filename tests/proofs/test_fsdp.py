@@ -84,12 +84,7 @@ def test_resume_from_another_scripts_checkpoint_says_what_to_use(exact_single, t
         bare,
         1,
         *COMMON,
-        "--data-path",
-        tiny_data,
-        "--resume",
-        exact_single / "last.pt",
-        "--output-dir",
-        tmp_path / "another",
+        *f"--data-path {tiny_data} --resume {exact_single / 'last.pt'} --output-dir {tmp_path / 'another'}".split(),
     )
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
@@ -108,18 +103,8 @@ def test_accumulation_reduce_scatters_on_the_last_micro_step_only(tiny_data, bar
                 bare,
                 2,
                 *COMMON,
-                "--data-path",
-                tiny_data,
-                "-b",
-                batch,
-                "--accum-steps",
-                accum,
-                "--print-freq",
-                "10",
-                "--profile",
-                "2",
-                "--output-dir",
-                folder,
+                *f"--data-path {tiny_data} -b {batch} --accum-steps {accum} --print-freq 10 --profile 2".split(),
+                *f"--output-dir {folder}".split(),
             )
         )
     assert_same_weights(load_model_state(accum_dir / "last.pt"), load_model_state(plain_dir / "last.pt"), atol=TOL)
@@ -151,19 +136,8 @@ def test_evaluation_is_exact_for_any_world_size_and_logs_the_saved_checkpoints_f
     (batch 8: 9 and 8 images, 2 and 1 batches) is what --test-only measures on its last.pt at 1 and 3 processes
     (batch 4: 2, 2 and 2 batches of 6, 6 and 5)."""
     common = [
-        "--test-only",
-        "--resume",
-        trained_bn / "last.pt",
-        "--data-path",
-        tiny_data,
-        "--img-size",
-        "32",
-        "--val-fraction",
-        "0.25",
-        "--workers",
-        "0",
-        "-b",
-        "4",
+        *f"--test-only --resume {trained_bn / 'last.pt'} --data-path {tiny_data} --img-size 32".split(),
+        *"--val-fraction 0.25 --workers 0 -b 4".split(),
     ]
     for nproc in (1, 3):
         ok(fsdp(bare, nproc, *common, "--output-dir", tmp_path / str(nproc)))
@@ -199,22 +173,8 @@ def test_memory_per_rank_shrinks_as_one_over_the_processes(trained_bn, tiny_data
         fsdp(
             REPO,
             3,
-            "--img-size",
-            "32",
-            "-b",
-            "8",
-            "--epochs",
-            "1",
-            "--workers",
-            "0",
-            "--print-freq",
-            "1",
-            "--val-fraction",
-            "0.25",
-            "--data-path",
-            tiny_data,
-            "--output-dir",
-            tmp_path / "3",
+            *"--img-size 32 -b 8 --epochs 1 --workers 0 --print-freq 1 --val-fraction 0.25".split(),
+            *f"--data-path {tiny_data} --output-dir {tmp_path / '3'}".split(),
         )
     )
     per_rank = {2: results(trained_bn)["bytes_per_rank"], 3: results(tmp_path / "3")["bytes_per_rank"]}
@@ -241,16 +201,7 @@ def zero(stage, tiny_data, folder):
             REPO,
             2,
             *DEFAULTS,
-            "-b",
-            "4",
-            "--workers",
-            "0",
-            "--print-freq",
-            "10",
-            "--profile",
-            "2",
-            "--data-path",
-            tiny_data,
+            *f"-b 4 --workers 0 --print-freq 10 --profile 2 --data-path {tiny_data}".split(),
             {3: "--reshard-after-forward", 2: "--no-reshard-after-forward"}[stage],
             "--output-dir",
             folder,
@@ -323,18 +274,9 @@ def test_hsdp_equals_one_device_and_its_checkpoint_resumes_at_other_mesh_shapes(
         start(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=4",
-                "train_fsdp.py",
+                *"-m torch.distributed.run --standalone --nproc-per-node=4 train_fsdp.py".split(),
                 *args,
-                "--save-every",
-                "1",
-                "--hsdp",
-                "2",
-                "--output-dir",
-                tmp_path / "whole",
+                *f"--save-every 1 --hsdp 2 --output-dir {tmp_path / 'whole'}".split(),
             ],
             cwd=bare,
             timeout=200,
@@ -389,14 +331,7 @@ def test_clip_grad_clips_the_global_norm_of_the_shards(runs, tiny_data, bare, tm
                 bare,
                 nproc,
                 *COMMON,
-                "--data-path",
-                tiny_data,
-                "--clip-grad",
-                "0.01",
-                "-b",
-                batch,
-                "--output-dir",
-                tmp_path / name,
+                *f"--data-path {tiny_data} --clip-grad 0.01 -b {batch} --output-dir {tmp_path / name}".split(),
                 timeout=200,
             )
         )

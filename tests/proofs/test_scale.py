@@ -158,12 +158,7 @@ def test_resume_at_another_world_size_and_batch_continues_the_same_training(ddp_
                 sys.executable,
                 "train_single.py",
                 *args[:-2],
-                "-b",
-                "24",
-                "--resume",
-                saved,
-                "--output-dir",
-                tmp_path / "one",
+                *f"-b 24 --resume {saved} --output-dir {tmp_path / 'one'}".split(),
             ]
         )
     )

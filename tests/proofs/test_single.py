@@ -47,10 +47,7 @@ def single(*args, env=None):
 
 def train_args(data, output_dir, *extra):
     return [
-        "--data-path",
-        data,
-        "--val-fraction",
-        "0.25",
+        *f"--data-path {data} --val-fraction 0.25".split(),
         *FAST,
         "--save-every",
         str(SAVE_EVERY),
@@ -213,16 +210,9 @@ def counted_here(state, val):
 
 def evaluate_only(checkpoint, tiny_data, output_dir):
     return single(
-        "--data-path",
-        tiny_data,
-        "--val-fraction",
-        "0.25",
+        *f"--data-path {tiny_data} --val-fraction 0.25".split(),
         *FAST,
-        "--test-only",
-        "--resume",
-        checkpoint,
-        "--output-dir",
-        output_dir,
+        *f"--test-only --resume {checkpoint} --output-dir {output_dir}".split(),
     )
 
 
@@ -584,17 +574,8 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, t
     torch.save(pretrained, tmp_path / "resnet18.pth")
     proc = single(
         *FAST,
-        "--data-path",
-        tiny_data,
-        "--val-fraction",
-        "0.25",
-        "--epochs",
-        "1",
-        "--weights",
-        tmp_path / "resnet18.pth",
-        "--freeze",
-        "--output-dir",
-        tmp_path / "run",
+        *f"--data-path {tiny_data} --val-fraction 0.25 --epochs 1 --weights {tmp_path / 'resnet18.pth'}".split(),
+        *f"--freeze --output-dir {tmp_path / 'run'}".split(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     trained = load_model_state(tmp_path / "run" / "last.pt")

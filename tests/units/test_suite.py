@@ -82,13 +82,7 @@ def test_a_suite_started_with_stop_signals_ignored_gives_its_jobs_the_defaults(t
     result = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-s",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
+            *"-m pytest -q -s -p no:cacheprovider --rootdir".split(),
             str(tmp_path),
             "--confcutdir",
             str(tmp_path),
