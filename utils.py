@@ -525,7 +525,14 @@ class Run:
         self.more.update(objects)
 
     def optimizer_state(self, checkpoint):
-        return optimizer_state(checkpoint, self.resume)
+        """The checkpoint's optimizer state; train_fsdp.py's last.pt names its shards' folder instead: one line."""
+        if isinstance(checkpoint["optimizer"], str):
+            raise UsageError(
+                f"--resume {self.resume}: a run of train_fsdp.py (its optimizer state is sharded in "
+                f"{checkpoint['optimizer']}): continue it with train_fsdp.py (bash run.sh fsdp), or start from its "
+                f"weights with --weights {self.resume}"
+            )
+        return checkpoint["optimizer"]
 
     def claim(self):
         """Hold the folder to the end of the job (a second job into it ends here, in one line); its class names."""
@@ -559,7 +566,9 @@ class Run:
     def report_test(self, metrics):
         """--test-only's outputs: results.json and one line."""
         if int(os.environ.get("RANK", 0)) == 0:
-            report_test(self.dir, self.resume, metrics)
+            results = {"checkpoint": str(self.resume), **{f"val_{name}": value for name, value in metrics.items()}}
+            write_json(self.dir / "results.json", results)
+            print(f"{metrics_line(metrics)}; results in {self.dir / 'results.json'}")
 
     def finish(self, metrics, img_per_s, **figures):
         """results.json and the last lines: the best and final metric, the run's figures, every validation metric."""
@@ -575,7 +584,7 @@ class Run:
             **figures,
             "train_img_per_s": img_per_s,
             "wall_s": time.time() - self.started,
-            **val_results(metrics),
+            **{f"val_{name}": value for name, value in metrics.items()},  # val_loss, val_count, val_<metric>
         }
         write_json(self.dir / "results.json", results)
         print(
@@ -640,16 +649,6 @@ def write_json(path, data):
         json.dumps(data, indent=2),
     )
     atomic_write(path, lambda f: f.write((text + "\n").encode()))
-
-
-def optimizer_state(checkpoint, path):
-    """The checkpoint's optimizer state; train_fsdp.py's last.pt names the folder of its shards instead: one line."""
-    if isinstance(checkpoint["optimizer"], str):
-        raise UsageError(
-            f"--resume {path}: a run of train_fsdp.py (its optimizer state is sharded in {checkpoint['optimizer']}): "
-            f"continue it with train_fsdp.py (bash run.sh fsdp), or start from its weights with --weights {path}"
-        )
-    return checkpoint["optimizer"]
 
 
 def load_checkpoint(path, names):
@@ -737,17 +736,6 @@ def loader_iterator(loader):
 
 
 # --------------------------------------------------------------------------------------------- logging
-def report_test(output_dir, checkpoint, metrics):
-    """--test-only's outputs: results.json and one line."""
-    write_json(output_dir / "results.json", {"checkpoint": str(checkpoint), **val_results(metrics)})
-    print(f"{metrics_line(metrics)}; results in {output_dir / 'results.json'}")
-
-
-def val_results(metrics):
-    """results.json's validation figures: val_loss, val_count, val_<each metric>."""
-    return {f"val_{name}": value for name, value in metrics.items()}
-
-
 def metrics_line(metrics):
     """The numbers among the metrics, in one line: "val loss 0.5123  acc 0.8235 (17 samples)"."""
     numbers = [f"{name} {value:.4f}" for name, value in metrics.items() if isinstance(value, float)]

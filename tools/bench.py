@@ -23,7 +23,9 @@ epoch warms up; evaluation and checkpoints are left out). Rows:
                   thread, timed in this process by torch.utils.benchmark (blocked_autorange): the demo data at
                   64 px, and generated 12 MP photo-like JPEGs at 224 px
   start-up        train_single.py's first progress line after its start, less its import of torch and torchvision
-                  (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every training row runs with)
+                  (Python's import profiler, PYTHONPROFILEIMPORTTIME, which every training row runs with) and less
+                  the step that line follows (a batch at the single row's steady img/s): what the script does
+                  before it trains
   drift check     the DDP rungs' comparison of the ranks' weights at each evaluation (dist_utils.check_replicas:
                   two sums a parameter, one all-reduce), on the bench's model in a group of this process alone,
                   timed as the data rows are, against the ddp row's epoch
@@ -468,7 +470,10 @@ def summarize(runs, skipped, config, machine):
         "import_s": figure("single", "import_s"),
         "skipped": skipped,
     }
-    r["startup_s"] = r["first_step_s"] - r["import_s"] if r["first_step_s"] and r["import_s"] else None
+    # The first progress line comes after one step: its compute, at the row's steady speed, is training, not start-up
+    r["step_s"] = config["batch_per_process"] / r["single_img_s"] if r["single_img_s"] else None
+    figures = (r["first_step_s"], r["import_s"], r["step_s"])
+    r["startup_s"] = figures[0] - figures[1] - figures[2] if all(figures) else None
     r["drift_check_s"] = figure("drift", "check_s")
     steps = config["train_images"] // config["nproc"] // config["batch_per_process"]  # the ddp row's epoch (drop_last)
     epoch_s = steps * config["nproc"] * config["batch_per_process"] / r["ddp_img_s"] if r["ddp_img_s"] else None
@@ -599,7 +604,7 @@ def table(r):
         ),
         row(f"data 12 MP JPEGs, {PHOTO_IMG} px: textbook", "1 x 1 thread", "photos", key="textbook_img_s"),
         [
-            "start-up of train_single.py, less its imports (s)",
+            "start-up of train_single.py, less its imports and its first step (s)",
             one,
             fmt(r["startup_s"], 2),
             "-",
@@ -643,7 +648,8 @@ def table(r):
     )
     lines.append(
         f"- start-up: first step {fmt(r['first_step_s'], 2)} s after the process started, of which "
-        f"{fmt(r['import_s'], 2)} s importing torch and torchvision"
+        f"{fmt(r['import_s'], 2)} s importing torch and torchvision and {fmt(r['step_s'], 2)} s the step itself (at "
+        f"single's steady speed)"
     )
     lines.append(
         "- others: cores that processes not started by the bench used during the row (median): above ~0.1 "

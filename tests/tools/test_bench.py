@@ -21,6 +21,7 @@ FIGURES = [
     "accum_speedup",
     "first_step_s",
     "import_s",
+    "step_s",
     "startup_s",
     "loader_img_s",
     "decode_loader_img_s",

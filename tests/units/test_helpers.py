@@ -779,7 +779,8 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
     WORLD_SIZE left in the shell for a one-process script (before: a wrong line about the disk, or nothing and an
     exit after 10 s, and another rank's randomness); the demo data that cannot be written (a read-only checkout)."""
     with pytest.raises(guards.UsageError) as refused:
-        utils.optimizer_state({"optimizer": "last-step3-1.dcp"}, tmp_path / "last.pt")
+        resumed = argparse.Namespace(resume=tmp_path / "last.pt")  # a Run that resumes that file
+        utils.Run.optimizer_state(resumed, {"optimizer": "last-step3-1.dcp"})
     assert str(refused.value) == (
         f"--resume {tmp_path / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in "
         f"last-step3-1.dcp): continue it with train_fsdp.py (bash run.sh fsdp), or start from its weights with "
