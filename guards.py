@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 
+# -------------------------------------------------------------------------------------------------- errors
 class UsageError(Exception):
     """Bad input: one line, no traceback, exit status 1 (one_line_errors)."""
 
@@ -51,6 +52,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+# ----------------------------------------------------------------------------- the launcher and the device
 def require_one_process():
     """train_single.py and train_dp.py run one process: a launcher's ranks in the environment (left in a shell, or a
     launcher that started several copies) would make it another rank's, with another rank's randomness: one line."""
@@ -105,6 +107,7 @@ def choose_device(requested, accelerator, count, processes):
     return device
 
 
+# ------------------------------------------------------------------------------------------ the run folder
 def resolve_run(args, script):
     """(output folder, checkpoint to resume), without touching the disk: a new folder by default. A run writes only
     into a new or empty folder, a run folder of these scripts (its .lock) or the folder of the checkpoint it resumes,
@@ -201,6 +204,7 @@ def lock_run_folder(lock, output_dir):
     return None
 
 
+# ---------------------------------------------------------------------------------------------- files read
 def load_checked(path, flag):
     if not Path(path).is_file():
         raise UsageError(f"{flag} {path}: no such file")
@@ -267,6 +271,7 @@ def first_line(error, width=160):
     return textwrap.shorten(re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0], width, placeholder=" ...")
 
 
+# ------------------------------------------------------------------------------------------ how a run ends
 @contextlib.contextmanager
 def one_line_errors(*every_rank_lines):
     """Every rung's __main__: bad input, Ctrl-C, a full /dev/shm, a failure every rank meets: one line from one
@@ -386,6 +391,7 @@ def end_loader_workers():
 _SHM_BYTES = weakref.WeakKeyDictionary()  # loader -> (a batch's bytes, its prefetch factor, its batches in /dev/shm)
 
 
+# ------------------------------------------------------------------------------------------------ /dev/shm
 def check_shm(loader):
     """One line where /dev/shm is too small for the batches that every loader's workers hold there (a pod's 64 MB)."""
     if loader.num_workers and len(loader.dataset) and os.path.isdir("/dev/shm"):

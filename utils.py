@@ -1,5 +1,8 @@
-"""Helpers every train_*.py script shares unchanged: arguments, the device, the sample stream, checkpoints, how a run
-ends, logging. dist_utils.py adds what the multi-process rungs need; builtin.py holds our image folders and ResNet."""
+"""What every train_*.py's main() calls, in the order it calls it: the flags and the device, the sample stream and the
+position in it, the LR schedule, the run's bookkeeping (Run: its folder, what it resumes, its checkpoints and
+results), the stop on a signal and the progress log. Its refusals and one-line endings are in guards.py, the confusion
+picture and the profiler in reporting.py; dist_utils.py adds what the multi-process rungs need, builtin.py holds our
+image folders and ResNet."""
 
 import argparse
 import contextlib
@@ -677,9 +680,7 @@ def load_checkpoint(path, names):
     return checkpoint
 
 
-# ------------------------------------------------------------------------------------------ how a run ends
-
-
+# ------------------------------------------------------------------------------------------------ stopping
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
 
 
@@ -885,6 +886,3 @@ class Logger:
         if self.writer:
             with self.writing():
                 self.writer.close()
-
-
-# --------------------------------------------------------------------------------------------- profiling
