@@ -75,9 +75,11 @@ class Run(utils.Run):
 
     def __init__(self, args, script, metrics, restarts=False):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        last = None  # this job's last.pt, read to learn that it is
         if restarts and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-            args = restarted(args, script, run_id)
+            args, last = restarted(args, script, run_id)
         super().__init__(args, script, metrics, run_id)
+        self.read = last  # read and checked once: load() takes it
 
     def claim(self):
         """utils.Run.claim() by global rank 0, its outcome told to every rank: a second job into the folder, or a
@@ -94,8 +96,9 @@ class Run(utils.Run):
 
 def restarted(args, script, run_id):
     """The arguments of a job under torchrun --max-restarts, a copy: its folder, and --resume auto where its last.pt
-    is this job's. Decided by the run id saved in last.pt, not TORCHELASTIC_RESTART_COUNT: each node's agent counts
-    only its own failures. A job that was stopped (.stopped, written by StopOnSignal.exit) ends here at once."""
+    is this job's; and that last.pt, read, or None. Decided by the run id saved in last.pt, not
+    TORCHELASTIC_RESTART_COUNT: each node's agent counts only its own failures. A job that was stopped (.stopped,
+    written by StopOnSignal.exit) ends here at once."""
     output_dir = Path(args.output_dir or f"runs/{Path(script).stem}-{run_id}")
     stopped = output_dir / ".stopped"  # (a requeued SLURM job may have the run id of the stopped one)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
@@ -104,10 +107,12 @@ def restarted(args, script, run_id):
     elif stopped.is_file() and stopped.read_text().split()[0] == run_id:
         sys.exit(128 + int(stopped.read_text().split()[1]))  # a stop of this job (said), taken for a failure
     last = output_dir / "last.pt"
-    ours = last.exists() and load_checked(last, "--resume").get("run_id") == run_id
-    return argparse.Namespace(
+    checkpoint = load_checked(last, "--resume") if last.exists() else None
+    ours = checkpoint is not None and checkpoint.get("run_id") == run_id
+    args = argparse.Namespace(
         **{**vars(args), "output_dir": str(output_dir), "resume": "auto" if ours else args.resume}
     )
+    return args, checkpoint if ours else None
 
 
 def restart_safe_store(timeout):

@@ -503,6 +503,7 @@ class Run:
         self.classes = None
         self.resuming = ""  # for the start-up line: where a resumed run continues
         self.more = {}  # other objects whose state a checkpoint keeps (add_state)
+        self.read = None  # the checkpoint to resume, where it was read already (a restart's: dist_utils.Run)
 
     def load(self, classes, model, ema, position):
         """The checkpoint of --resume, if any: its weights into the model (None: they are read another way) and the
@@ -511,7 +512,8 @@ class Run:
         self.classes = classes
         if self.resume is None:
             return None
-        checkpoint = load_checkpoint(self.resume, classes)
+        checkpoint = load_checkpoint(self.resume, classes, self.read)
+        self.read = None
         if model is not None:
             model.load_state_dict(checkpoint["model"])
         if ema is not None and checkpoint.get("ema"):
@@ -569,8 +571,7 @@ class Run:
     def report_test(self, metrics):
         """--test-only's outputs: results.json and one line."""
         if int(os.environ.get("RANK", 0)) == 0:
-            results = {"checkpoint": str(self.resume), **{f"val_{name}": value for name, value in metrics.items()}}
-            write_json(self.dir / "results.json", results)
+            write_json(self.dir / "results.json", {"checkpoint": str(self.resume), **val_results(metrics)})
             print(f"{metrics_line(metrics)}; results in {self.dir / 'results.json'}")
 
     def finish(self, metrics, img_per_s, **figures):
@@ -587,7 +588,7 @@ class Run:
             **figures,
             "train_img_per_s": img_per_s,
             "wall_s": time.time() - self.started,
-            **{f"val_{name}": value for name, value in metrics.items()},  # val_loss, val_count, val_<metric>
+            **val_results(metrics),
         }
         write_json(self.dir / "results.json", results)
         print(
@@ -654,8 +655,10 @@ def write_json(path, data):
     atomic_write(path, lambda f: f.write((text + "\n").encode()))
 
 
-def load_checkpoint(path, names):
-    checkpoint = guards.load_checked(path, "--resume")
+def load_checkpoint(path, names, checkpoint=None):
+    """The checkpoint at path (or the one already read from it), checked to be one of ours, for these names."""
+    if checkpoint is None:
+        checkpoint = guards.load_checked(path, "--resume")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "args", "classes"} <= checkpoint.keys():
         raise UsageError(f"--resume {path}: not a checkpoint written by these scripts (use --weights for bare weights)")
     if "samples" not in checkpoint or "best" not in checkpoint:
@@ -737,6 +740,11 @@ def loader_iterator(loader):
 
 
 # --------------------------------------------------------------------------------------------- logging
+def val_results(metrics):
+    """results.json's validation figures: val_loss, val_count, val_<each metric>."""
+    return {f"val_{name}": value for name, value in metrics.items()}
+
+
 def metrics_line(metrics):
     """The numbers among the metrics, in one line: "val loss 0.5123  acc 0.8235 (17 samples)"."""
     numbers = [f"{name} {value:.4f}" for name, value in metrics.items() if isinstance(value, float)]
