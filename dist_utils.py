@@ -192,6 +192,14 @@ def same_on_every_rank(classes, train_set, val_set, resume_point):
                 )
 
 
+def mean_over_ranks(value):
+    """The mean of a number (a 0-d tensor) over the ranks: the loss over the global batch, as one device computes it,
+    where each rank's is over its share. One all-reduce (gloo has no AVG: a sum, divided)."""
+    total = value.detach().float().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 def check_replicas(model):
     """End the job in one line where the processes' weights have drifted apart, which DDP never does by itself: a
     parameter's requires_grad changed after the DDP(...) line (DDP then leaves its gradients unsynchronised), or

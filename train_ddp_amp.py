@@ -258,7 +258,8 @@ def main(args):
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
     stop = dist_utils.StopOnSignal()
-    log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0)  # progress lines, TensorBoard
+    # Progress lines and TensorBoard on rank 0, with the loss averaged over the ranks (the global batch's loss)
+    log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0, mean=dist_utils.mean_over_ranks)
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = reporting.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None
@@ -332,8 +333,8 @@ def evaluate(model, ema, loader, device, names, stop=None):
     """The loss and the task's metrics over every validation sample exactly once; the EMA's too, as ema_<name>."""
     dist_utils.check_replicas(model)  # weights drifted apart (requires_grad changed after DDP(...)): one line
     averaged = {} if ema is None else evaluate(ema, None, loader, device, names, stop)
-    # The unwrapped model: a DDP forward would sync buffers while the ranks run different numbers of batches. DDP
-    # copies rank 0's buffers only at a training forward, so each rank's BatchNorm statistics are from its own last
+    # The unwrapped model, with no collective in its forward (the ranks' slices differ in length). DDP copies rank 0's
+    # buffers only at the start of a training forward, so each rank's BatchNorm statistics are from its own last
     # batch: evaluate every slice with rank 0's, the ones it saves.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)

@@ -295,7 +295,8 @@ def main(args):
     # Preemption (SIGTERM), Ctrl-C (SIGINT), a closed terminal (SIGHUP): the signal is noted, the ranks agree to
     # stop after the same step, rank 0 saves there, and --resume auto continues.
     stop = dist_utils.StopOnSignal()
-    log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0)  # progress lines, TensorBoard
+    # Progress lines and TensorBoard on rank 0, with the loss averaged over the ranks (the global batch's loss)
+    log = utils.Logger(run.dir, classes, args, position, enabled=rank == 0, mean=dist_utils.mean_over_ranks)
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = reporting.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None

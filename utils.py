@@ -763,9 +763,11 @@ def beats_best(metrics, name, best, higher_is_better):
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
-    def __init__(self, output_dir, names, args, position, enabled=True):
-        """args: --epochs and --print-freq; position: the run's steps per epoch, global batch and first step."""
+    def __init__(self, output_dir, names, args, position, enabled=True, mean=None):
+        """args: --epochs and --print-freq; position: the run's steps per epoch, global batch and first step; mean:
+        where several processes train, the loss's mean over them (every process calls step() alike)."""
         self.enabled = enabled
+        self.mean = mean
         self.epochs = args.epochs
         self.steps_per_epoch = position.steps_per_epoch
         self.names = names  # drawn on the confusion matrix's picture
@@ -838,6 +840,8 @@ class Logger:
         self.step_end = now = time.perf_counter()
         if (step + 1) % self.print_freq and step + 1 != self.steps_per_epoch:
             return
+        if self.mean is not None:
+            loss = self.mean(loss)  # the global batch's, not this rank's share's
         loss = loss.item()  # waits for the device: once per print_freq steps, on every rank (docs/performance.md)
         if not math.isfinite(loss):  # every rank stops here: a diverged model has NaN weights on every rank
             raise UsageError(

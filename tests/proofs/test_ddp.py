@@ -45,6 +45,10 @@ def offline_hub(hub_cache):
         yield
 
 
+def train_losses(stdout):  # the loss of each progress line (utils.Logger.step's)
+    return [float(loss) for loss in re.findall(r"^epoch \d+/\d+\s+step \d+/\d+\s+loss (\S+)", stdout, re.M)]
+
+
 def results(folder):
     return json.loads((folder / "results.json").read_text())
 
@@ -87,8 +91,11 @@ def test_ddp_equals_single_process_with_the_global_batch(runs, name):
     assert_same_weights(
         load_model_state(out / name / "last.pt"), load_model_state(out / "single" / "last.pt"), atol=TOL
     )
-    # Only global rank 0 prints: one progress line per step (3 steps x 2 epochs), not one per rank
+    # Only global rank 0 prints: one progress line per step (3 steps x 2 epochs), not one per rank; its loss is the
+    # ranks' mean, the loss of the global batch that one process logs (4 decimals: to the last digit's rounding)
     assert runs[name].stdout.count("epoch 2/2  step 3/3") == 1
+    losses, single = (train_losses(runs[run].stdout) for run in (name, "single"))
+    assert len(losses) == 6 and losses == pytest.approx(single, abs=2e-4), (losses, single)
     assert results(out / name)["final_acc"] == pytest.approx(results(out / "single")["final_acc"])
     assert results(out / name)["val_confusion"] == results(out / "single")["val_confusion"]  # summed over the ranks
 
