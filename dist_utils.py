@@ -225,9 +225,10 @@ def check_replicas(model):
 
 PEER_GONE = re.compile(r"closed by peer|reset by peer|remote worker|broken pipe|communicator was aborted", re.I)
 TIMED_OUT = re.compile(r"timed out|timeout", re.I)  # a DistError's (the store at start-up)
-# gloo's and NCCL's: a RuntimeError
+# gloo's (a wait, or a pair it closed when a coalesced broadcast timed out) and NCCL's: a RuntimeError
 COLLECTIVE_TIMED_OUT = re.compile(
-    r"Timed out waiting \d+ms for (send|recv)|Watchdog caught collective operation timeout"
+    r"Timed out waiting \d+ms for (send|recv)|Application timeout caused pair closure|"
+    r"Watchdog caught collective operation timeout"
 )
 
 

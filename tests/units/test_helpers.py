@@ -823,6 +823,11 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
             "operation to complete): one is missing or stuck",
         ),
         (
+            RuntimeError("Application timeout caused pair closure"),  # gloo, a DDP forward's buffer broadcast
+            "error: the other processes did not all answer within --dist-timeout (Application timeout caused pair "
+            "closure): one is missing or stuck",
+        ),
+        (
             RuntimeError(
                 "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
                 "RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device"
