@@ -367,6 +367,35 @@ def free_port():
         return s.getsockname()[1]
 
 
+# ------------------------------------------------------------------------------------- the lessons' gallery
+def lessons():
+    """{id: Lesson} of tests/proofs/test_lessons.py's LESSONS, for the modules that do not sit beside it: the GPU
+    tests prove the GPU-only lessons, and tests/units checks docs/lessons.md against them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lessons_listed", REPO / "tests" / "proofs" / "test_lessons.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {lesson.id: lesson for lesson in module.LESSONS}
+
+
+def broken_copy(bare, folder, lesson):
+    """The scripts and helpers of `bare` copied into the new folder, lesson.line replaced there by lesson.changed_to
+    in lesson.script. The line must occur in the script exactly once: where it changed or went, the lesson's test
+    fails here instead of proving nothing. LESSONS_UNBROKEN=1 keeps the line (checked all the same): each lesson's
+    test must then fail."""
+    folder.mkdir()
+    for path in bare.glob("*.py"):
+        shutil.copy(path, folder)
+    script = folder / lesson.script
+    text = script.read_text()
+    count = text.count(lesson.line)
+    assert count == 1, f"{lesson.id}: {lesson.line!r} occurs {count} times in {lesson.script}, not once"
+    if not os.environ.get("LESSONS_UNBROKEN"):
+        script.write_text(text.replace(lesson.line, lesson.changed_to))
+    return folder
+
+
 # ------------------------------------------------------------------------------------------------- data
 def make_dataset(root, counts, size=32, ext=".jpg"):
     """A class-folder dataset: class i is folder c<i> with counts[i] images, its own colours and stripes (a small

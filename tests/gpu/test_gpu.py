@@ -6,8 +6,9 @@ Sane results: exit 0, the script says it trained on cuda, results.json holds an 
 last.pt loads (weights_only) into a plain torchvision model. No training step waits for the GPU (a host sync per
 step drains its queue). Checkpoints move between GPU and CPU both ways, and a run SIGKILLed mid-epoch and resumed on
 the GPU ends within TOL of an uninterrupted one, each resumed run from the step after its checkpoint. Where 2 GPUs
-exist, train_dp.py really runs nn.DataParallel over them. tools/gpucheck.py sizes its time limits from the starts
-counted in LAUNCHES below.
+exist, train_dp.py really runs nn.DataParallel over them. The GPU-only lessons of docs/lessons.md: each runs a copy
+of its script with the lesson's line broken (support.broken_copy) and finds what a user would meet. tools/gpucheck.py
+sizes its time limits from the starts counted in LAUNCHES below.
 """
 
 import json
@@ -30,15 +31,18 @@ from support import (
     REPO,
     assert_resumed_after,
     assert_same_weights,
+    broken_copy,
     checkpoint_step,
     deliver,
     finish,
     gpu_env,
+    lessons,
     load_model_state,
     ok,
     read_until,
     run_sh,
     start_sh,
+    torchrun,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -63,6 +67,10 @@ LAUNCHES = {
     "test_mid_epoch_resume_on_the_gpu_ends_near_the_uninterrupted_run": (0, 3, 1),
     "test_the_training_loop_reads_the_gpu_only_at_progress_lines": (0, 2, 1),
     "test_data_parallel_over_two_gpus_equals_one_gpu": (2, 0, 2),
+    "test_lesson_no_set_device_leaves_every_process_on_gpu_0": (0, 1, 2),
+    "test_lesson_no_sync_bn_no_longer_equals_one_gpu": (1, 2, 2),
+    "test_lesson_no_unscale_clips_the_scaled_gradients": (0, 1, 1),
+    "test_lesson_no_scaler_state_restarts_the_scaler_on_resume": (0, 2, 1),
 }
 
 
@@ -289,3 +297,113 @@ def test_data_parallel_over_two_gpus_equals_one_gpu(tiny_data, tmp_path):
     moved = (trained["single"]["fc.weight"] - initial["fc.weight"]).norm().item()
     apart = (trained["dp"]["fc.weight"] - trained["single"]["fc.weight"]).norm().item()
     assert apart < 0.1 * moved, (apart, moved)
+
+
+# ---------------------------------------------------------------------- the GPU-only lessons of docs/lessons.md
+# Not yet run on a GPU. Each test copies its script with the lesson's line broken (tests/proofs/test_lessons.py's
+# LESSONS) and asserts the symptom; what the scripts do not print, a sitecustomize.py in the copy prints.
+LESSONS = lessons()
+
+CURRENT_DEVICE_AT_EXIT = """
+import atexit, os, sys
+
+
+def report():
+    torch = sys.modules.get("torch")  # a training process's (importing torch while Python exits is not safe)
+    if "RANK" in os.environ and torch is not None and torch.cuda.is_initialized():
+        print(f"rank {os.environ['RANK']}: current device cuda:{torch.cuda.current_device()}", flush=True)
+
+
+atexit.register(report)
+"""
+
+SCALER_AFTER_EACH_STEP = """
+import torch
+
+update = torch.amp.GradScaler.update
+
+
+def printed(self, new_scale=None):
+    update(self, new_scale)
+    if self.is_enabled():
+        print(f"GradScaler: scale {self.get_scale():g}, steps since it last changed {self._get_growth_tracker()}")
+
+
+torch.amp.GradScaler.update = printed
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a process per GPU: needs 2 GPUs")
+def test_lesson_no_set_device_leaves_every_process_on_gpu_0(bare, tiny_data, tmp_path):
+    """no-set-device: train_ddp_launch.py without torch.accelerator.set_device_index(local rank), 2 processes on 2
+    GPUs, one epoch. The script still puts its tensors on cuda:<local rank>, but each process's current device stays
+    GPU 0, and what uses the current device (the loaders' pinned-memory thread, the CUDA context it opens) lands
+    there from every process. CURRENT_DEVICE_AT_EXIT prints each rank's current device: cuda:0 on rank 1 too."""
+    copy = broken_copy(bare, tmp_path / "copy", LESSONS["no-set-device"])
+    (copy / "sitecustomize.py").write_text(CURRENT_DEVICE_AT_EXIT)
+    proc = ok(
+        torchrun(
+            2,
+            "train_ddp_launch.py",
+            *args_for(tiny_data, tmp_path / "run", "--epochs", "1"),
+            cwd=copy,
+            env={**env(), "PYTHONPATH": str(copy)},
+            launcher="torch.distributed.launch",
+        )
+    )
+    assert "rank 1: current device cuda:0" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 processes, one per GPU")
+def test_lesson_no_sync_bn_no_longer_equals_one_gpu(bare, tiny_data, tmp_path):
+    """no-sync-bn: --sync-bn without its conversion, 2 GPUs x batch 8, BatchNorm training. Converted, each BatchNorm
+    normalises over the global batch of 16, as one GPU with batch 16 does, and the running statistics end where that
+    run's end, within rounding; not converted, each GPU normalises over its own 8, and they end at least 10 times
+    further from one GPU's."""
+    copy = broken_copy(bare, tmp_path / "copy", LESSONS["no-sync-bn"])
+    broken = args_for(tiny_data, tmp_path / "broken", "--sync-bn")
+    ok(torchrun(2, "train_ddp_torchrun.py", *broken, cwd=copy, env=env()))
+    ok(run_sh("ddp", 2, *args_for(tiny_data, tmp_path / "synced", "--sync-bn"), env=env()))
+    ok(run_sh("single", *args_for(tiny_data, tmp_path / "single", "-b", "16"), env=env()))
+    single = load_model_state(tmp_path / "single" / "last.pt")
+
+    def apart(name):  # the largest difference of a running mean or variance from one GPU's
+        state = load_model_state(tmp_path / name / "last.pt")
+        return max((state[k] - single[k]).abs().max().item() for k in single if "running_" in k)
+
+    assert apart("synced") * 10 < apart("broken"), (apart("synced"), apart("broken"))
+
+
+def test_lesson_no_unscale_clips_the_scaled_gradients(bare, tiny_data, tmp_path, initial_weights):
+    """no-unscale: train_ddp_amp.py without scaler.unscale_(optimizer), fp16 with --clip-grad FP16_CLIP, 1 GPU. The clip
+    then meets the gradients times the GradScaler's scale (2**16 at the start) and cuts them to FP16_CLIP, and the
+    step divides them by the scale: each step's gradient is at most FP16_CLIP / scale in norm, where the intact run's
+    is up to FP16_CLIP. So the head moves no further than SGD with momentum 0.9 and weight decay 1e-4 can with such
+    gradients (bounded as test_ddp.py's clipping test bounds it): under 1e-2 in all."""
+    copy = broken_copy(bare, tmp_path / "copy", LESSONS["no-unscale"])
+    fp16 = args_for(tiny_data, tmp_path / "run", "--amp-dtype", "fp16", "--clip-grad", FP16_CLIP)
+    proc = ok(torchrun(1, "train_ddp_amp.py", *fp16, cwd=copy, env=env()))
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    scale = checkpoint["scaler"]["scale"]  # the lowest it had: it grows only after 2000 steps without an overflow
+    moved = torch.cat([(checkpoint["model"][k] - initial_weights[k]).flatten() for k in ("fc.weight", "fc.bias")])
+    lrs = [float(line.split("  lr ")[1].split()[0]) for line in proc.stdout.splitlines() if "  step " in line]
+    bound = sum(lrs) * 10 * (float(FP16_CLIP) / scale + 1e-4 * 1.5)
+    assert moved.norm().item() <= bound < 1e-2, (moved.norm().item(), bound, scale)
+
+
+def test_lesson_no_scaler_state_restarts_the_scaler_on_resume(bare, tiny_data, tmp_path):
+    """no-scaler-state: train_ddp_amp.py without run.add_state(scaler=scaler), fp16, 1 GPU: one epoch, then --epochs 2
+    --resume auto. last.pt holds no GradScaler state, so the resumed run starts a fresh scaler: after its first step
+    it has counted 1 step since the scale last changed, where the scaler it should continue had counted the first
+    run's 6 (or fewer after an overflow, whose lowered scale a fresh scaler also forgets). SCALER_AFTER_EACH_STEP
+    prints the scaler's state after each step."""
+    copy = broken_copy(bare, tmp_path / "copy", LESSONS["no-scaler-state"])
+    (copy / "sitecustomize.py").write_text(SCALER_AFTER_EACH_STEP)
+    scaler_env = {**env(), "PYTHONPATH": str(copy)}
+    fp16 = args_for(tiny_data, tmp_path / "run", "--amp-dtype", "fp16")
+    first = ok(torchrun(1, "train_ddp_amp.py", *fp16, "--epochs", "1", cwd=copy, env=scaler_env))
+    resumed = ok(torchrun(1, "train_ddp_amp.py", *fp16, "--resume", "auto", cwd=copy, env=scaler_env))
+    states = [line for line in resumed.stdout.splitlines() if line.startswith("GradScaler: ")]
+    ended = [line for line in first.stdout.splitlines() if line.startswith("GradScaler: ")][-1]
+    assert "resuming from" in resumed.stdout and states, resumed.stdout[-3000:]
+    assert states[0] == "GradScaler: scale 65536, steps since it last changed 1", (ended, states[:2])
