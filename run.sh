@@ -16,6 +16,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   shrink SRC DST  a copy of a dataset with each image's longer side at most 512 px (--max-side N; tools/shrink.py)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   gpucheck        on a GPU machine: doctor, tests/gpu/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
+  site            the ladder's pages into site/, pictures from 5 CPU runs (--no-runs, --check, --out DIR; tools/site.py)
   test [quick]    the test suite (pytest); quick: only the headline proofs, in a few minutes
 N defaults to the number of visible GPUs, or 2 on a CPU-only machine; on one machine, N above the visible GPUs
 trains the N processes on the CPU.
@@ -27,7 +28,7 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|fsdp|bench|shrink|doctor|gpucheck|test) shift ;;
+  single|dp|launch|ddp|amp|fsdp|bench|shrink|doctor|gpucheck|site|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -48,6 +49,12 @@ if ! has_modules "$PYTHON"; then
   fi
   PYTHON=.venv/bin/python
 fi
+# The site's browser test drives Debian's chromium with Playwright (requirements-site.txt), installed into .venv only:
+# with your own Python, that test is skipped and says how to install it.
+if [ "$mode" = test ] && [ "$PYTHON" = .venv/bin/python ] && ! "$PYTHON" -c "import playwright" 2>/dev/null; then
+  echo "run.sh: installing requirements-site.txt (Playwright, for the site's browser test) into .venv" >&2
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-site.txt
+fi
 
 need() {  # one line where run.sh was copied into a project without its tools/
   [ -f "$1" ] || { echo "run.sh: $1 is missing: copy the tools/ folder beside run.sh" >&2; exit 2; }
@@ -58,6 +65,7 @@ case "$mode" in
   shrink) need tools/shrink.py; exec "$PYTHON" tools/shrink.py "$@" ;;
   doctor) need tools/doctor.py; exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) need tools/gpucheck.py; exec "$PYTHON" tools/gpucheck.py "$@" ;;
+  site) need tools/site.py; exec "$PYTHON" tools/site.py "$@" ;;
   test)  # every proof; `test quick`: the headline ones (tests marked quick). Either way the slowest tests are listed,
     # and why each skipped test did not run.
     # pytest-xdist: a worker per two cores (each test starts 2-3 processes), two at least; a worker that runs out of
