@@ -4,8 +4,9 @@ proofs, and pictures of runs that a page claims are equal.
     bash run.sh site [--out DIR] [--runs DIR] [--data-path DIR] [--no-runs] [--check]
 
 Writes into --out (default site/): index.html, one page per step (single-dp.html, single-launch.html,
-launch-torchrun.html, torchrun-amp.html, torchrun-fsdp.html), lessons.html, proofs.html and site.css: plain files
-that work opened from the disk (file://) and on a static host, with nothing fetched from the network. The hunks are
+launch-torchrun.html, torchrun-amp.html, torchrun-fsdp.html), lessons.html, proofs.html, site.css and source/ (the
+test files the proofs page shows): plain files that work opened from the disk (file://) and on a static host that
+serves the folder alone, with nothing fetched from the network. The hunks are
 GNU diff's own (`diff OLD NEW`, parsed), so a page shows what the learner's terminal shows. The notes come from
 docs/ladder-notes.toml, the gallery from the table of docs/lessons.md, the proofs' docstrings and sources from the
 tests they name. The pictures are drawn from real runs on the CPU (five of them, into --runs, default site/runs, each
@@ -844,9 +845,7 @@ def proofs_page(ladder, render):
     for node in sorted(ladder.tests, key=order):
         files.setdefault(node.split("::")[0], []).append(node)
     for path, nodes in files.items():
-        sections.append(
-            f'<h2><code>{esc(path)}</code> <a class="file" href="{esc(render.repo + path)}">the file</a></h2>'
-        )
+        sections.append(f'<h2><code>{esc(path)}</code> <a class="file" href="source/{esc(path)}">the file</a></h2>')
         for node in nodes:
             file, function, text = ladder.tests[node]
             decorators = "".join(f"@{ast.get_source_segment(text, d)}\n" for d in function.decorator_list)
@@ -1081,10 +1080,14 @@ def build(root, out, runs, data, with_runs):
     pages.update({f"{step}.html": step_page(ladder, step, render, pictures) for step in STEPS})
     pages["lessons.html"] = lessons_page(ladder, render)
     pages["proofs.html"] = proofs_page(ladder, render)
+    # The test files the proofs page shows, copied in: the site holds all it links to, wherever it is served from
+    pages.update({f"source/{node.split('::')[0]}": "" for node in ladder.tests})
+    pages.update({name: (root / name.removeprefix("source/")).read_text() for name in pages if name[:7] == "source/"})
     pages["site.css"] = CSS
     pages[".nojekyll"] = ""  # a static host serves the files as they are
     out.mkdir(parents=True, exist_ok=True)
     for name, text in pages.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text, encoding="utf-8")
     return [out / name for name in pages]
 
@@ -1126,7 +1129,8 @@ def main(argv=None):
         data = args.data_path.resolve() if args.data_path else None
         written = build(root, out, runs, data, not args.no_runs)
         seconds = time.perf_counter() - started
-        print(f"site.py: {len(written) - 2} pages in {out} in {seconds:.1f} s: open {out / 'index.html'}")
+        pages = sum(path.suffix == ".html" for path in written)
+        print(f"site.py: {pages} pages in {out} in {seconds:.1f} s: open {out / 'index.html'}")
         return 0
     except BuildError as error:
         print("\n".join(error.lines), file=sys.stderr)

@@ -200,7 +200,9 @@ def test_a_build_without_runs_writes_every_page_with_diffs_own_hunks(repo, tmp_p
     assert "pages in" in capsys.readouterr().out
     pages = {path.name for path in out.iterdir()}
     steps = {f"{step}.html" for step in ladder_site.STEPS}
-    assert pages == {"index.html", "lessons.html", "proofs.html", "site.css", ".nojekyll", *steps}, pages
+    assert pages == {"index.html", "lessons.html", "proofs.html", "site.css", ".nojekyll", "source", *steps}, pages
+    shown = re.findall(r'href="(source/[^"]+)"', (out / "proofs.html").read_text())  # the test files, copied in
+    assert shown and all((out / path).read_text() == (repo / path[7:]).read_text() for path in shown)
     assert not (out / "runs").exists()
     index = (out / "index.html").read_text()
     assert all(f'href="{step}"' in index for step in steps) and 'href="lessons.html"' in index
