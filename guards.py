@@ -327,8 +327,11 @@ def killed_worker(error):
     )
     if not found:
         return None
-    how = f"was killed by a signal ({found[2]})" if found[2] else "ended unexpectedly"
-    if found[2] == "Killed":
+    # torch's SIGCHLD handler names the signal; its other path ("exited unexpectedly") does not: the worker's
+    # process object, kept by the loader's iterator, knows
+    signum = found[2] or worker_signal(int(found[1].split(",")[0]))
+    how = f"was killed by a signal ({signum})" if signum else "ended unexpectedly"
+    if signum in ("Killed", "SIGKILL"):
         how = "was killed by SIGKILL, most likely by the out-of-memory killer (dmesg says which)"
     again = f" --output-dir {_RUN_DIR['folder']}" if "folder" in _RUN_DIR else ""
     return (
@@ -379,6 +382,18 @@ def wait_to_be_stopped():
     end_loader_workers()  # now: ended by SIGTERM in the sleep, this rank would leave them running
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(10)
+
+
+LOADER_ITERATORS = weakref.WeakSet()  # this process's loader iterators (utils.loader_iterator's): their workers
+
+
+def worker_signal(pid):
+    """The name of the signal that ended loader worker `pid`, or None."""
+    for iterator in list(LOADER_ITERATORS):
+        for worker in getattr(iterator, "_workers", ()):
+            if worker.pid == pid and (worker.exitcode or 0) < 0:
+                return signal.Signals(-worker.exitcode).name
+    return None
 
 
 def end_loader_workers():

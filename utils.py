@@ -734,9 +734,11 @@ def loader_iterator(loader):
     guards.check_shm(loader)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        return iter(loader)
+        iterator = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    guards.LOADER_ITERATORS.add(iterator)  # how a worker ended, where torch's error does not say (a killed worker)
+    return iterator
 
 
 # --------------------------------------------------------------------------------------------- logging

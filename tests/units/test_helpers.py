@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from support import logger
 # ------------------------------------------------------------------------------ what a copier of a rung pays for
 HELPERS_ALONE = r"""
 import sys
+import time
 sys.path.insert(0, sys.argv[1])
 sys.modules["torchvision"] = None  # not installed: a copy with its own task needs none (builtin.py does)
 sys.modules["torch.distributed.checkpoint"] = None  # FSDP's checkpoints (fsdp_utils.py)
@@ -878,6 +880,38 @@ def test_known_failures_end_in_one_line(error, line, capsys, monkeypatch):
             raise error
     err = capsys.readouterr().err
     assert ended.value.code == 1 and err.startswith(line) and err.count("\n") == 1, err
+
+
+class SlowItems(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(60)  # never ready in a worker: it is killed first
+        return torch.zeros(3)  # (check_shm's look at an item, in this process)
+
+
+def test_a_killed_worker_that_torch_says_exited_unexpectedly_is_named_by_its_signal(capsys, monkeypatch):
+    """torch reports a dead loader worker by its SIGCHLD handler ("is killed by signal: Killed") or, when its queue
+    read notices first, as "exited unexpectedly" with no signal (seen in the OOM test under load): the worker's
+    process object, kept by the iterator that utils.loader_iterator made, says SIGKILL."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    loader = torch.utils.data.DataLoader(SlowItems(), num_workers=1)
+    iterator = utils.loader_iterator(loader)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise its own line first: the other path
+    worker = iterator._workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    with pytest.raises(SystemExit) as ended:
+        with dist_utils.one_line_errors():  # (it ends the loader's workers as a script's exit does)
+            raise RuntimeError(f"DataLoader worker (pid(s) {worker.pid}) exited unexpectedly")
+    iterator._shutdown_workers()
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and err.startswith(
+        f"error: a data loader worker of rank 0 (pid {worker.pid}) was killed by SIGKILL, most likely by the "
+        f"out-of-memory killer"
+    ), err
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
