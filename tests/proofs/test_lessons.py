@@ -45,6 +45,15 @@ HERE = "tests/proofs/test_lessons.py::"
 GPU = "tests/gpu/test_gpu.py::"
 LESSONS = [
     Lesson(
+        "ranks-not-from-the-launcher",
+        "train_ddp_launch.py",
+        'rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])',
+        "rank, world_size = 0, 1",
+        "every process takes itself for rank 0 of 1: each prints every line and scores the whole validation set",
+        "(34 samples)",
+        HERE + "test_ranks_not_from_the_launcher_make_every_process_rank_0_of_1",
+    ),
+    Lesson(
         "no-init-process-group",
         "train_ddp_launch.py",
         "dist.init_process_group(",
@@ -273,6 +282,15 @@ def evaluated_alone(copy, checkpoint, tiny_data, output_dir):
 def profile_report(trace):
     """What tools/profile_report.py prints about a --profile run's trace.json."""
     return run([sys.executable, "tools/profile_report.py", trace], timeout=60).stdout
+
+
+def test_ranks_not_from_the_launcher_make_every_process_rank_0_of_1(bare, tiny_data, tmp_path):
+    """The process group still reads the launcher's environment (2 ranks), but the script's own rank and world size
+    say 0 of 1: both processes print as rank 0, and each scores all 17 validation images, which the all-reduce then
+    counts twice."""
+    lesson = LESSON["ranks-not-from-the-launcher"]
+    proc, _ = broken_run(bare, tmp_path, lesson, *ONE_STEP, "--data-path", tiny_data, "--output-dir", tmp_path / "run")
+    assert lesson.printed in proc.stdout and proc.stdout.count("epoch 1/1  val loss") == 2, proc.stdout[-3000:]
 
 
 def test_no_init_process_group_fails_at_the_first_distributed_call(bare, tiny_data, tmp_path):
