@@ -394,21 +394,11 @@ def check(root=ROOT):
 
 
 # ------------------------------------------------------------------------------------------------ the runs
-def descendants(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(child) for child in f.read().split()]
-    except OSError:
-        return []
-    return [p for child in children for p in (child, *descendants(child))]
-
-
-def end_tree(job):
-    """Every process of a job killed: its group, and torchrun's workers, which run in sessions of their own."""
-    pids = descendants(job.pid)
-    for kill, pid in ((os.killpg, job.pid), *((os.kill, p) for p in pids)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            kill(pid, signal.SIGKILL)
+def end_job(job):
+    """The job's session killed, as bench.py and gpucheck.py end theirs; torchrun's workers, in sessions of their own,
+    follow it (dist_utils.require_launcher's parent-death signal)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
     job.wait()
 
 
@@ -444,11 +434,11 @@ def start_job(cmd, root, log, stop=False):
     try:
         status = job.wait(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        end_tree(job)
+        end_job(job)
         status = f"killed after {RUN_TIMEOUT} s"
     finally:
         if job.poll() is None:  # interrupted here (Ctrl-C): no run left behind
-            end_tree(job)
+            end_job(job)
         reader.join(timeout=10)
         log.write_text("".join(lines), encoding="utf-8")
     return status, "".join(lines)
