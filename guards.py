@@ -396,6 +396,15 @@ def worker_signal(pid):
     return None
 
 
+def quiet_handover_to_a_killed_process(kind, value, tb):
+    """sys.excepthook in a loader worker. A batch's shared memory reaches the training process as a file descriptor
+    that multiprocessing's resource_sharer thread hands over; when that process is killed mid-handover (the OOM
+    killer), the thread's ConnectionResetError traceback would stand beside the one line that names the kill."""
+    handover = tb is not None and tb.tb_frame.f_globals.get("__name__") == "multiprocessing.resource_sharer"
+    if not (handover and issubclass(kind, (ConnectionError, EOFError))):
+        sys.__excepthook__(kind, value, tb)
+
+
 def end_loader_workers():
     """Kill the loader workers: they ignore SIGTERM, and would outlive this process by up to 5 s, holding its output."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (the DataLoader's handler would report the kills below)

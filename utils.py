@@ -381,7 +381,7 @@ def loader_options(workers, device):
         "num_workers": workers,
         "pin_memory": device.type in ("cuda", "xpu"),
         "persistent_workers": workers > 0,
-        "worker_init_fn": ignore_stop_signals,
+        "worker_init_fn": init_loader_worker,
     }
 
 
@@ -720,12 +720,13 @@ class StopOnSignal:
         sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
 
 
-def ignore_stop_signals(worker_id):
-    """worker_init_fn where StopOnSignal is used: the signals reach loader workers too, and a worker they end takes
-    its process down with it. The training process decides; workers still exit when it dies."""
+def init_loader_worker(worker_id):
+    """worker_init_fn. The stop signals reach loader workers too, and a worker they end takes its process down with
+    it: workers ignore them, the training process decides, and workers still exit when it dies."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back since the fork by loader_iterator()
+    sys.excepthook = guards.quiet_handover_to_a_killed_process  # its process killed: that process's line says it
 
 
 def loader_iterator(loader):

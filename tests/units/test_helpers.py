@@ -914,6 +914,38 @@ def test_a_killed_worker_that_torch_says_exited_unexpectedly_is_named_by_its_sig
     ), err
 
 
+A_HANDOVER_RESET = """
+import os, socket, struct, sys, time
+from multiprocessing import resource_sharer
+sys.path.insert(0, sys.argv[1])
+import utils
+utils.init_loader_worker(0)
+handover = resource_sharer.DupFd(os.pipe()[0])  # as torch hands a batch's shared memory to the training process
+rank = socket.socket(socket.AF_UNIX)
+rank.connect(handover._id[0])
+rank.recv(1, socket.MSG_PEEK)  # the handover has begun (its challenge sent) when the rank is killed:
+rank.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+rank.close()  # a reset
+time.sleep(1)
+raise ValueError("any other error")
+"""
+
+
+def test_a_loader_worker_whose_rank_is_killed_mid_handover_prints_no_traceback():
+    """A loader worker hands a batch's shared memory to its rank as a file descriptor, from multiprocessing's
+    resource_sharer thread. CI's OOM test once killed the rank mid-handover, and the worker printed a
+    ConnectionResetError traceback beside run.sh's one line. In a worker set up by utils.init_loader_worker that reset
+    prints nothing, and another uncaught error still prints its traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-c", A_HANDOVER_RESET, str(Path(utils.__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
+    assert "ConnectionResetError" not in proc.stderr and "ValueError: any other error" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_a_sparse_gradient_under_the_default_optimizers_is_one_line(opt, capsys, monkeypatch):
     """nn.Embedding(sparse=True) under the task block's build_optimizer: SGD's weight decay cannot add a sparse
