@@ -923,9 +923,9 @@ utils.init_loader_worker(0)
 handover = resource_sharer.DupFd(os.pipe()[0])  # as torch hands a batch's shared memory to the training process
 rank = socket.socket(socket.AF_UNIX)
 rank.connect(handover._id[0])
-rank.recv(1, socket.MSG_PEEK)  # the handover has begun (its challenge sent) when the rank is killed:
+rank.recv(1, socket.MSG_PEEK)  # the handover has begun: its challenge is sent
 rank.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-rank.close()  # a reset
+rank.close()  # the rank killed: a reset
 time.sleep(1)
 raise ValueError("any other error")
 """
