@@ -368,15 +368,21 @@ def free_port():
 
 
 # ------------------------------------------------------------------------------------- the lessons' gallery
+def module_at(path, name):
+    """The module of the file REPO/path, imported by its path as `name`: tools/site.py (`import site` is the standard
+    library's module, imported at every start), a test module that does not sit beside its reader."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def lessons():
     """{id: Lesson} of tests/proofs/test_lessons.py's LESSONS, for the modules that do not sit beside it: the GPU
     tests prove the GPU-only lessons, and tests/units checks docs/lessons.md against them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lessons_listed", REPO / "tests" / "proofs" / "test_lessons.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {lesson.id: lesson for lesson in module.LESSONS}
+    return {lesson.id: lesson for lesson in module_at("tests/proofs/test_lessons.py", "lessons_listed").LESSONS}
 
 
 def broken_copy(bare, folder, lesson):

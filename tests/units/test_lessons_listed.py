@@ -4,25 +4,16 @@ that lesson; and each line is in its script exactly once (the GPU-only ones too,
 
 import re
 
-from support import REPO, lessons
-
-HEADER = "| lesson | script | the line | changed to | without it, the run printed | test |"
+from support import REPO, lessons, module_at
 
 
 def rows():
-    """{lesson id: its 6 cells} of the one table of docs/lessons.md (tools/site.py reads it so too)."""
-    lines = (REPO / "docs" / "lessons.md").read_text(encoding="utf-8").splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == HEADER]
-    assert len(starts) == 1, f"docs/lessons.md holds {len(starts)} tables with the header {HEADER}"
-    found = {}
-    for line in lines[starts[0] + 2 :]:
-        if not line.startswith("|"):
-            break
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
-        lesson = re.fullmatch(r"`([\w.-]+)`", cells[0])
-        assert len(cells) == 6 and lesson and lesson[1] not in found, line
-        found[lesson[1]] = cells
-    return found
+    """{lesson id: its 6 cells} of the one table of docs/lessons.md, as tools/site.py reads it for the gallery's page:
+    one table with that header, each row 6 cells, the first a lesson id in backticks given once."""
+    ladder = module_at("tools/site.py", "ladder_site").Ladder(REPO)
+    wrong = [error for error in ladder.errors if "docs/lessons.md" in error]
+    assert not wrong, "\n".join(wrong)
+    return ladder.lessons
 
 
 def test_docs_lessons_md_and_the_lessons_agree():

@@ -3,7 +3,6 @@ one line where a hunk has no note, a note's code is gone or it names a lesson or
 build without runs writes every page, each step page showing exactly the hunks of `diff OLD NEW`. No training runs
 here: the pictures' runs are what `bash run.sh site` does."""
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -12,12 +11,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from support import REPO
+from support import REPO, module_at
 
-# tools/site.py by its path: `import site` is the standard library's module, imported at every start
-_spec = importlib.util.spec_from_file_location("ladder_site", REPO / "tools" / "site.py")
-ladder_site = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ladder_site)
+ladder_site = module_at("tools/site.py", "ladder_site")
 
 FAKE_LESSONS = "\n".join(
     [
