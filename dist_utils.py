@@ -242,7 +242,8 @@ def one_line_errors(*every_rank_lines):
             try:
                 yield
             except Exception as error:
-                line = None if isinstance(error, UsageError) else peer_failure(error)
+                # a loader worker of this process that was killed: its own line, not a peer's
+                line = None if isinstance(error, UsageError) or guards.killed_worker(error) else peer_failure(error)
                 if line is None:
                     raise
                 print(line, file=sys.stderr)

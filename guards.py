@@ -275,7 +275,7 @@ def first_line(error, width=160):
 @contextlib.contextmanager
 def one_line_errors(*every_rank_lines):
     """Every rung's __main__: bad input, Ctrl-C, a full /dev/shm, a failure every rank meets: one line from one
-    process (docs/robustness.md); anything else: its traceback. Loader workers end first. every_rank_lines: more
+    process (docs/robustness.md); anything else: its traceback. Loader workers end on every exit. every_rank_lines: more
     functions that give the line for an error every rank meets alike, or None (DDP's and FSDP's, from
     dist_utils.one_line_errors(), which adds a lost or silent peer and the process group's teardown)."""
     status = 1
@@ -303,6 +303,8 @@ def one_line_errors(*every_rank_lines):
     except SystemExit as exit:  # a stop on a signal (128 + the signal), or --help
         status = exit.code
     except BaseException as error:
+        # torch's loader handler would raise again for a worker that dies while this reports
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if "shared memory" in str(error):  # a loader worker's batch did not fit: /dev/shm is full
             print(f"error: {shm_too_small('the loader workers of this node', 'fewer --workers')}", file=sys.stderr)
         elif line := killed_worker(error):  # one of this process's loader workers: it says so
@@ -315,7 +317,8 @@ def one_line_errors(*every_rank_lines):
                 wait_to_be_stopped()
         else:
             traceback.print_exc()
-    end_loader_workers()
+    finally:
+        end_loader_workers()  # whatever the report met: live workers ignore SIGTERM, and the exit would wait for them
     sys.exit(status)
 
 
@@ -325,17 +328,21 @@ def killed_worker(error):
         r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) (?:is killed by signal: ([^.\n]+)|exited unexpectedly)",
         str(error),
     )
-    if not found:
+    if found:
+        # torch's SIGCHLD handler names the signal; its other path ("exited unexpectedly") does not: the worker's
+        # process object, kept by the loader's iterator, knows
+        pid, signum = found[1], found[2] or worker_signal(int(found[1].split(",")[0]))
+    elif isinstance(error, (ConnectionError, EOFError)) and (dead := worker_ended_by_a_signal(patience=2)):
+        # a batch's handover from a worker killed mid-way, before torch has noticed the worker is gone
+        pid, signum = dead
+    else:
         return None
-    # torch's SIGCHLD handler names the signal; its other path ("exited unexpectedly") does not: the worker's
-    # process object, kept by the loader's iterator, knows
-    signum = found[2] or worker_signal(int(found[1].split(",")[0]))
     how = f"was killed by a signal ({signum})" if signum else "ended unexpectedly"
     if signum in ("Killed", "SIGKILL"):
         how = "was killed by SIGKILL, most likely by the out-of-memory killer (dmesg says which)"
     again = f" --output-dir {_RUN_DIR['folder']}" if "folder" in _RUN_DIR else ""
     return (
-        f"a data loader worker of rank {os.environ.get('RANK', 0)} (pid {found[1]}) {how}: lower --workers or "
+        f"a data loader worker of rank {os.environ.get('RANK', 0)} (pid {pid}) {how}: lower --workers or "
         f"--batch-size, then continue with --resume auto{again}"
     )
 
@@ -394,6 +401,21 @@ def worker_signal(pid):
             if worker.pid == pid and (worker.exitcode or 0) < 0:
                 return signal.Signals(-worker.exitcode).name
     return None
+
+
+def worker_ended_by_a_signal(patience):
+    """(pid, signal name) of a loader worker of this process that a signal ended, waiting up to `patience` s for one,
+    or None. A killed worker's sockets close a moment before the kernel reports it ended: its batch's handover fails
+    first (ConnectionResetError, EOFError), and torch, finding the worker alive, raises that."""
+    deadline = time.monotonic() + patience
+    while True:
+        for iterator in list(LOADER_ITERATORS):
+            for worker in getattr(iterator, "_workers", ()):
+                if (worker.exitcode or 0) < 0:
+                    return worker.pid, signal.Signals(-worker.exitcode).name
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
 
 
 def quiet_handover_to_a_killed_process(kind, value, tb):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -912,6 +913,65 @@ def test_a_killed_worker_that_torch_says_exited_unexpectedly_is_named_by_its_sig
         f"error: a data loader worker of rank 0 (pid {worker.pid}) was killed by SIGKILL, most likely by the "
         f"out-of-memory killer"
     ), err
+
+
+def killed_loader_worker(monkeypatch):
+    """A loader iterator as the rungs make it, and its worker, killed by SIGKILL (torch's handler held off)."""
+    monkeypatch.setattr(guards, "LOADER_ITERATORS", weakref.WeakSet())  # a new process's: none of earlier tests'
+    iterator = utils.loader_iterator(torch.utils.data.DataLoader(SlowItems(), num_workers=1))
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.kill(iterator._workers[0].pid, signal.SIGKILL)
+    return iterator, iterator._workers[0]
+
+
+@pytest.mark.parametrize("handover", [ConnectionResetError(104, "Connection reset by peer"), EOFError()])
+def test_a_batch_handover_that_fails_as_its_worker_is_killed_names_the_kill(handover, capsys, monkeypatch):
+    """A killed worker's sockets close a moment before the kernel says it ended: a batch it was handing over fails
+    first, and torch, finding the worker still alive, raises the handover's error (20 of 150 kills in a loop, one
+    misread as a lost peer, the other a traceback): the line names the killed worker all the same."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    iterator, worker = killed_loader_worker(monkeypatch)  # not waited for: its end is reported a moment later
+    with pytest.raises(SystemExit) as ended:
+        with dist_utils.one_line_errors():
+            raise handover
+    iterator._shutdown_workers()
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: a data loader worker of rank 0 (pid {worker.pid}) was killed by SIGKILL"), err
+
+
+def test_a_worker_killed_while_an_error_is_reported_leaves_the_report_whole(capsys, monkeypatch):
+    """CI's OOM test: a worker killed as its rank reported another error; torch's SIGCHLD handler raised in the
+    middle of the traceback, past the loader workers' end, and the rank then waited for them at its exit until the
+    job was killed 90 s later. The report stays whole and the workers end."""
+    iterator = utils.loader_iterator(torch.utils.data.DataLoader(SlowItems(), num_workers=1))
+    # torch's own handler, as torch sets it (once a process: an earlier test may have reset it)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: torch._C._error_if_any_worker_fails())
+    report = guards.traceback.print_exc
+
+    def killed_while_reporting():
+        os.kill(iterator._workers[0].pid, signal.SIGKILL)
+        time.sleep(1)  # SIGCHLD arrives
+        report()
+
+    monkeypatch.setattr(guards.traceback, "print_exc", killed_while_reporting)
+    with pytest.raises(SystemExit) as ended:
+        with guards.one_line_errors():
+            raise ValueError("a bug of one's own")
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "ValueError: a bug of one's own" in err and "killed by signal" not in err, err
+    assert not any(worker.is_alive() for worker in iterator._workers)
+
+
+def test_the_loader_workers_end_when_the_report_itself_is_interrupted(monkeypatch):
+    """Workers ignore SIGTERM: left alive, they would hold their process at its exit."""
+    iterator = utils.loader_iterator(torch.utils.data.DataLoader(SlowItems(), num_workers=1))
+    monkeypatch.setattr(guards.traceback, "print_exc", lambda: os.kill(os.getpid(), signal.SIGINT))  # a second Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        with guards.one_line_errors():
+            raise ValueError("a bug of one's own")
+    iterator._workers[0].join(timeout=10)
+    assert not iterator._workers[0].is_alive()
 
 
 A_HANDOVER_RESET = """
