@@ -407,15 +407,16 @@ def worker_ended_by_a_signal(patience):
     """(pid, signal name) of a loader worker of this process that a signal ended, waiting up to `patience` s for one,
     or None. A killed worker's sockets close a moment before the kernel reports it ended: its batch's handover fails
     first (ConnectionResetError, EOFError), and torch, finding the worker alive, raises that."""
+    workers = [worker for iterator in list(LOADER_ITERATORS) for worker in getattr(iterator, "_workers", ())]
     deadline = time.monotonic() + patience
-    while True:
-        for iterator in list(LOADER_ITERATORS):
-            for worker in getattr(iterator, "_workers", ()):
-                if (worker.exitcode or 0) < 0:
-                    return worker.pid, signal.Signals(-worker.exitcode).name
+    while workers:
+        for worker in workers:
+            if (worker.exitcode or 0) < 0:
+                return worker.pid, signal.Signals(-worker.exitcode).name
         if time.monotonic() > deadline:
-            return None
+            break
         time.sleep(0.02)
+    return None
 
 
 def quiet_handover_to_a_killed_process(kind, value, tb):

@@ -966,7 +966,11 @@ def test_a_worker_killed_while_an_error_is_reported_leaves_the_report_whole(caps
 def test_the_loader_workers_end_when_the_report_itself_is_interrupted(monkeypatch):
     """Workers ignore SIGTERM: left alive, they would hold their process at its exit."""
     iterator = utils.loader_iterator(torch.utils.data.DataLoader(SlowItems(), num_workers=1))
-    monkeypatch.setattr(guards.traceback, "print_exc", lambda: os.kill(os.getpid(), signal.SIGINT))  # a second Ctrl-C
+
+    def interrupted():
+        raise KeyboardInterrupt  # a second Ctrl-C, as its handler raises it
+
+    monkeypatch.setattr(guards.traceback, "print_exc", interrupted)
     with pytest.raises(KeyboardInterrupt):
         with guards.one_line_errors():
             raise ValueError("a bug of one's own")
