@@ -394,12 +394,16 @@ def wait_to_be_stopped():
 LOADER_ITERATORS = weakref.WeakSet()  # this process's loader iterators (utils.loader_iterator's): their workers
 
 
+def loader_workers():
+    """The worker processes of this process's loader iterators."""
+    return [worker for iterator in list(LOADER_ITERATORS) for worker in getattr(iterator, "_workers", ())]
+
+
 def worker_signal(pid):
     """The name of the signal that ended loader worker `pid`, or None."""
-    for iterator in list(LOADER_ITERATORS):
-        for worker in getattr(iterator, "_workers", ()):
-            if worker.pid == pid and (worker.exitcode or 0) < 0:
-                return signal.Signals(-worker.exitcode).name
+    for worker in loader_workers():
+        if worker.pid == pid and (worker.exitcode or 0) < 0:
+            return signal.Signals(-worker.exitcode).name
     return None
 
 
@@ -407,7 +411,7 @@ def worker_ended_by_a_signal(patience):
     """(pid, signal name) of a loader worker of this process that a signal ended, waiting up to `patience` s for one,
     or None. A killed worker's sockets close a moment before the kernel reports it ended: its batch's handover fails
     first (ConnectionResetError, EOFError), and torch, finding the worker alive, raises that."""
-    workers = [worker for iterator in list(LOADER_ITERATORS) for worker in getattr(iterator, "_workers", ())]
+    workers = loader_workers()
     deadline = time.monotonic() + patience
     while workers:
         for worker in workers:
