@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The built-in data and model that each script's build_datasets() and build_model() use by default: image folders
 (--data-path, or the generated demo data) read as uint8 tensors with their augmentation, and torchvision's ResNet
 with its ImageNet weights (--model, --weights, --freeze). Yours replace them; then this file is not needed."""

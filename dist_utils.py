@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Helpers for the rungs that a launcher starts (DDP, AMP, FSDP), beside utils.py: the launcher's environment, elastic
 restarts, the ranks' checks, stop vote and error exit, the run folder claimed for all ranks, the autocast dtype.
 FSDP's own helpers are in fsdp_utils.py."""
@@ -55,7 +56,9 @@ def require_launcher(launcher):
             "train_ddp_amp.py": "amp",
             "train_fsdp.py": "fsdp",
         }
-        run_sh = f"bash run.sh {modes[name]} [N], or " if name in modes else ""  # (not for a renamed copy)
+        # run.sh where it stands beside the script (not in a copy), for the script it knows (not a renamed one)
+        beside = (Path(sys.argv[0]).resolve().parent / "run.sh").is_file()
+        run_sh = f"bash run.sh {modes[name]} [N], or " if name in modes and beside else ""
         raise UsageError(
             f"start this script with a launcher, which runs one process per device: {run_sh}{command} "
             f"--nproc-per-node=N {name}"
@@ -325,8 +328,7 @@ def autocast_dtype(requested, device):
         )
         if requested is None:
             raise UsageError(
-                f"{slow}; train in fp32 with train_ddp_torchrun.py (bash run.sh ddp), or pass "
-                f"--amp-dtype bf16 to run anyway"
+                f"{slow}; train in fp32 with train_ddp_torchrun.py, or pass --amp-dtype bf16 to run anyway"
             )
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"warning: {slow}", flush=True)

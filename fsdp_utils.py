@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Helpers only train_fsdp.py needs, beside dist_utils.py: its sharded checkpoints checked (each file's CRC, written
 beside them) and read without running code from them, the bytes each rank's shards hold, an EMA updated shard by
 shard, and the process group let go of at once on every exit."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Hardening, in one place: what a user or the machine gives that would go wrong (a launcher's variables left in a
 shell, a missing GPU, someone's folder, a folder in use, a damaged or crafted file) is refused, and what goes wrong
 anyway (bad input, Ctrl-C, a killed loader worker, a full /dev/shm) ends in one line from one process, not a
@@ -66,7 +67,7 @@ def require_one_process():
         raise OwnError(
             f"{Path(sys.argv[0]).name} runs one process, but {' '.join(found)} is set (a launcher's, left in the "
             f"shell, or a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
-            f"(bash run.sh ddp)"
+            f"(train_ddp_torchrun.py)"
         )
 
 

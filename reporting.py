@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """What a run shows beyond its progress lines: the confusion matrix as a picture (TensorBoard's val/confusion),
 and --profile's profiler with its report. utils.Logger draws with it; the scripts start the profiler."""
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # bash run.sh MODE [N] [script arguments...]   (bash run.sh help for the modes)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,6 +14,7 @@ usage: bash run.sh MODE [N] [script arguments...]
   amp [N]         train_ddp_amp.py (mixed precision) under torchrun, N processes per node
   fsdp [N]        train_fsdp.py (sharded model, FSDP2) under torchrun, N processes per node
   bench [N]       throughput benchmark (tools/bench.py; --quick for a short run)
+  copy RUNG DEST  a script and exactly the helpers it needs into DEST, your project (tools/copy_rung.py)
   shrink SRC DST  a copy of a dataset with each image's longer side at most 512 px (--max-side N; tools/shrink.py)
   doctor          check this machine for multi-GPU training (tools/doctor.py)
   gpucheck        on a GPU machine: doctor, tests/gpu/test_gpu.py and the GPU bench rows, one report (tools/gpucheck.py)
@@ -28,7 +30,7 @@ TXT
 
 mode=${1:-}
 case "$mode" in
-  single|dp|launch|ddp|amp|fsdp|bench|shrink|doctor|gpucheck|site|test) shift ;;
+  single|dp|launch|ddp|amp|fsdp|bench|copy|shrink|doctor|gpucheck|site|test) shift ;;
   -h|--help|help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -62,6 +64,7 @@ need() {  # one line where run.sh was copied into a project without its tools/
 case "$mode" in
   single) exec "$PYTHON" train_single.py "$@" ;;
   dp) exec "$PYTHON" train_dp.py "$@" ;;
+  copy) need tools/copy_rung.py; exec "$PYTHON" tools/copy_rung.py "$@" ;;
   shrink) need tools/shrink.py; exec "$PYTHON" tools/shrink.py "$@" ;;
   doctor) need tools/doctor.py; exec "$PYTHON" tools/doctor.py "$@" ;;
   gpucheck) need tools/gpucheck.py; exec "$PYTHON" tools/gpucheck.py "$@" ;;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier with DistributedDataParallel and mixed precision, under torchrun.
 
 train_ddp_torchrun.py plus torch.autocast, bf16 (CPUs, recent GPUs) or fp16 with a GradScaler (CUDA), and --compile:

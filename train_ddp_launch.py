@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier with DistributedDataParallel, one process per device.
 
 train_single.py plus DDP, started by the classic launcher (torchrun is the next rung: train_ddp_torchrun.py):

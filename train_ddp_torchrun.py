@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier with DistributedDataParallel under torchrun.
 
 train_ddp_launch.py plus what torchrun brings: ranks from the environment, elastic restarts that resume from the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier with nn.DataParallel over all visible GPUs, in one process.
 
 train_single.py plus DataParallel: each step splits the batch between the GPUs and gathers the outputs on the

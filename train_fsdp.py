@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier with FSDP2 (fully_shard) under torchrun.
 
 train_ddp_torchrun.py with the model sharded, not replicated: each process holds 1/N of the parameters, gradients

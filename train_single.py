@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Train a torchvision ResNet image classifier on one device: a GPU (CUDA, ROCm, XPU, Apple MPS), else the CPU.
 
 The base of the collection: every other train_*.py is this script plus one idea, so `diff` shows that idea.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """What every train_*.py's main() calls, in the order it calls it: the flags and the device, the sample stream and the
 position in it, the LR schedule, the run's bookkeeping (Run: its folder, what it resumes, its checkpoints and
 results), the stop on a signal and the progress log. Its refusals and one-line endings are in guards.py, the confusion
@@ -534,7 +535,7 @@ class Run:
         if isinstance(checkpoint["optimizer"], str):
             raise UsageError(
                 f"--resume {self.resume}: a run of train_fsdp.py (its optimizer state is sharded in "
-                f"{checkpoint['optimizer']}): continue it with train_fsdp.py (bash run.sh fsdp), or start from its "
+                f"{checkpoint['optimizer']}): continue it with train_fsdp.py, or start from its "
                 f"weights with --weights {self.resume}"
             )
         return checkpoint["optimizer"]

@@ -379,6 +379,11 @@ def module_at(path, name):
     return module
 
 
+def copy_rung(rung, folder):
+    """`bash run.sh copy RUNG FOLDER`, as a copier runs it (tools/copy_rung.py): the rung and its helpers in folder."""
+    return module_at("tools/copy_rung.py", "copy_rung").copy(rung, Path(folder))
+
+
 def lessons():
     """{id: Lesson} of tests/proofs/test_lessons.py's LESSONS, for the modules that do not sit beside it: the GPU
     tests prove the GPU-only lessons, and tests/units checks docs/lessons.md against them."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Throughput benchmark of the training scripts, measured in one run on the machine it is started on.
 
     bash run.sh bench [N] [--quick | --tiny] [--repeats R] [--output-dir DIR]   # N: processes of the DDP rows

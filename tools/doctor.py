@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Check this machine for multi-GPU training: bash run.sh doctor [--json PATH] [--nproc N] [--timeout S].
 
 One line per check, `ok`, `warn`, `fail` or `skip`, with the fix where there is one; a summary line at the end.

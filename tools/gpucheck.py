@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Everything this project still has to measure on a GPU, in one command: bash run.sh gpucheck [--report PATH].
 
 On a CUDA machine, in this order, each part within a time limit, all within --budget (9 min):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Which of this machine's addresses and interfaces reach MASTER_ADDR: for run.sh's multi-node start and the doctor.
 
 torchrun picks the rendezvous host, the address it gives the other nodes and gloo's interface from this machine's

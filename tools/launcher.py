@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """run.sh's two helpers around the launcher (torchrun, torch.distributed.launch), for what its own options cannot do
 (--log-dir, --redirects, --tee and --local-ranks-filter sort the ranks' output; none ties the launcher to run.sh or
 drops its own report):

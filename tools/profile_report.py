@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Where the profiled steps' time went, from the trace.json that --profile N writes (any train_*.py script).
 
     python tools/profile_report.py runs/<run>/trace.json [--json]

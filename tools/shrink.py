@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """A smaller copy of an image dataset, made once, for training on photos far larger than the crop.
 
     bash run.sh shrink SRC DST [--max-side N] [--jobs J]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The ladder as a static site: each step's `diff` with a note beside each hunk, the gallery of broken lines, the
 proofs, and pictures of runs that a page claims are equal.
 

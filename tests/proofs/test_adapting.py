@@ -34,7 +34,6 @@ import importlib.util
 import json
 import math
 import re
-import shutil
 import signal
 import sys
 
@@ -49,6 +48,7 @@ from support import (
     REPO,
     assert_resumed_after,
     assert_same_weights,
+    copy_rung,
     deliver,
     finish,
     load_model_state,
@@ -896,18 +896,11 @@ STOP_AT = "epoch 2/3  step 5/12"  # mid-epoch, the epoch after a best.pt, so tha
 
 
 def users_project(folder, rung, task):
-    """folder/ with the rung and its helpers copied in (utils.py, guards.py, reporting.py; dist_utils.py where a
-    launcher starts it; fsdp_utils.py for FSDP), the rung's task block replaced by the user's; the DDP rungs register
-    the user's hook."""
-    folder.mkdir()
+    """folder/ with the rung copied in by `bash run.sh copy` (the script and its helpers), the rung's task block
+    replaced by the user's, and the demo task (builtin.py) removed; the DDP rungs register the user's hook."""
     script = RUNGS[rung][0]
-    helpers = ["utils.py", "guards.py", "reporting.py"]
-    if RUNGS[rung][1]:  # started by a launcher
-        helpers.append("dist_utils.py")
-    if rung == "fsdp":
-        helpers.append("fsdp_utils.py")
-    for name in helpers:
-        shutil.copy(REPO / name, folder)
+    copy_rung(script, folder)
+    (folder / "builtin.py").unlink()  # the user's task needs none of ours
     text = (REPO / script).read_text()
     start, end = re.search(r"^# -+ your task$", text, re.M).start(), text.index("def main(args):")
     text = text[:start] + users_block(task) + "\n\n" + text[end:]
@@ -1178,8 +1171,7 @@ def test_weights_that_drift_apart_end_the_job_in_one_line(tmp_path):
         text = text.replace(old, new, 1)
     script = (REPO / "train_ddp_torchrun.py").read_text()
     start, end = re.search(r"^# -+ your task$", script, re.M).start(), script.index("def main(args):")
-    for name in ("utils.py", "guards.py", "reporting.py", "dist_utils.py"):
-        shutil.copy(REPO / name, tmp_path)
+    copy_rung("train_ddp_torchrun.py", tmp_path)
     (tmp_path / "train_ddp_torchrun.py").write_text(script[:start] + text + "\n\n" + script[end:])
     ended = run(
         [sys.executable, *TORCHRUN, "train_ddp_torchrun.py", "--epochs", "2", "-b", "8", "--workers", "0"]

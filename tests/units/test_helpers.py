@@ -786,7 +786,7 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
         utils.Run.optimizer_state(resumed, {"optimizer": "last-step3-1.dcp"})
     assert str(refused.value) == (
         f"--resume {tmp_path / 'last.pt'}: a run of train_fsdp.py (its optimizer state is sharded in "
-        f"last-step3-1.dcp): continue it with train_fsdp.py (bash run.sh fsdp), or start from its weights with "
+        f"last-step3-1.dcp): continue it with train_fsdp.py, or start from its weights with "
         f"--weights {tmp_path / 'last.pt'}"
     )
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
@@ -798,7 +798,7 @@ def test_another_scripts_run_a_stale_launcher_environment_and_a_read_only_checko
             assert str(refused.value) == (
                 f"train_single.py runs one process, but {name}={value} is set (a launcher's, left in the shell, or "
                 f"a launcher started several): unset RANK LOCAL_RANK WORLD_SIZE, or train with a DDP script "
-                f"(bash run.sh ddp)"
+                f"(train_ddp_torchrun.py)"
             )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")  # a launcher of one process: fine

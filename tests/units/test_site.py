@@ -116,7 +116,7 @@ def test_a_hunk_without_a_note_or_a_note_whose_code_is_gone_fails_in_one_line(re
     first, _, rest = notes.partition("\n\n[[note]]")  # the first note gone: its hunk has none
     (repo / "docs" / "ladder-notes.toml").write_text("[[note]]" + rest)
     status, errors = errors_of(repo, capsys)
-    assert status == 2 and len(errors) == 1 and errors[0].startswith("error: single-launch: hunk 1c1 ("), errors
+    assert status == 2 and len(errors) == 1 and errors[0].startswith("error: single-launch: hunk 2c2 ("), errors
 
     gone = notes.replace('code = ["', 'code = ["a_call_that_is_gone()", "', 1)
     (repo / "docs" / "ladder-notes.toml").write_text(gone)
