@@ -311,7 +311,7 @@ class StopOnSignal(utils.StopOnSignal):
         at once (restarted()), so the stop stays one."""
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and int(os.environ.get("RANK", 0)) == 0:
             (Path(output_dir) / ".stopped").write_text(f"{os.environ['TORCHELASTIC_RUN_ID']} {self.signum}\n")
-        super().exit(step, output_dir)
+        return super().exit(step, output_dir)
 
 
 def autocast_dtype(requested, device):

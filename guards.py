@@ -205,6 +205,14 @@ def lock_run_folder(lock, output_dir):
     return None
 
 
+def release_run_folder():
+    """Let go of the run folder's lock (main()'s end, from a notebook: its next run may resume the folder)."""
+    lock = _RUN_DIR.pop("lock", None)
+    if lock is not None:
+        atexit.unregister(lock.close)
+        lock.close()
+
+
 # ---------------------------------------------------------------------------------------------- files read
 def load_checked(path, flag):
     if not Path(path).is_file():

@@ -157,6 +157,7 @@ class Metrics:
         }
 
 
+@utils.leaves_nothing_behind  # returns the process as it found it: a notebook may call main() again
 def main(args):
     dist_utils.require_launcher("torchrun")
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
@@ -296,7 +297,7 @@ def main(args):
         if stop.agreed():  # stopped in the epoch or its evaluation: saved, and --resume auto continues there
             if rank == 0:
                 run.save(model.module, ema, optimizer, position)
-            stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
+            return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
         is_best = run.new_best(metrics)
         position.end_epoch()  # the next epoch starts at its first sample
@@ -313,6 +314,7 @@ def main(args):
     if metrics is None:  # the checkpoint had finished training already
         metrics = evaluate(model.module, ema, val_loader, device, classes)
     run.finish(metrics, log.img_per_s(), global_batch=global_batch, lr=lr)
+    dist.destroy_process_group()  # a clean exit (after an error, one_line_errors() destroys it)
 
 
 @torch.no_grad()
@@ -347,7 +349,8 @@ def evaluate(model, ema, loader, device, names, stop=None):
     return metrics | {f"ema_{name}": value for name, value in averaged.items()}
 
 
-if __name__ == "__main__":
+def get_args_parser():
+    """Every flag of this script with its default: main(get_args_parser().parse_args([...])) from Python."""
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
@@ -358,6 +361,9 @@ if __name__ == "__main__":
         default=300,
         help="seconds a collective waits for a missing rank before the job fails instead of hanging",
     )
+    return parser
+
+
+if __name__ == "__main__":
     with dist_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
-        main(parser.parse_args())
-        dist.destroy_process_group()  # (one_line_errors() also does, on any exit: an error's too)
+        raise SystemExit(main(get_args_parser().parse_args()))  # None, or 128 + the signal after a stop

@@ -170,6 +170,7 @@ class Metrics:
         }
 
 
+@utils.leaves_nothing_behind  # returns the process as it found it: a notebook may call main() again
 def main(args):
     dist_utils.require_launcher("torchrun")
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
@@ -342,7 +343,7 @@ def main(args):
         metrics = evaluate(model, ema, val_loader, device, classes, stop)  # (cut short by a stop)
         if stop.agreed():  # stopped in the epoch or its evaluation: saved, and --resume auto continues there
             save_sharded(run, model, ema, optimizer, position)  # every rank: each writes its shards
-            stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
+            return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
         is_best = run.new_best(metrics)
         position.end_epoch()  # the next epoch starts at its first sample
@@ -357,6 +358,7 @@ def main(args):
     if metrics is None:  # the checkpoint had finished training already
         metrics = evaluate(model, ema, val_loader, device, classes)
     run.finish(metrics, log.img_per_s(), global_batch=global_batch, lr=lr, bytes_per_rank=memory)
+    dist.destroy_process_group()  # a clean exit (after an error, one_line_errors() destroys it)
 
 
 @torch.no_grad()
@@ -417,7 +419,8 @@ def save_sharded(run, model, ema, optimizer, position, is_best=False):
         shutil.rmtree(old)
 
 
-if __name__ == "__main__":
+def get_args_parser():
+    """Every flag of this script with its default: main(get_args_parser().parse_args([...])) from Python."""
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across GPUs")
@@ -436,6 +439,9 @@ if __name__ == "__main__":
         help="ZeRO-3: gather each unit's weights again for the backward (--no-...: ZeRO-2, keep them)",
     )
     parser.add_argument("--hsdp", type=int, default=0, metavar="R", help="HSDP: R replicas, each sharded over N/R")
+    return parser
+
+
+if __name__ == "__main__":
     with fsdp_utils.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
-        main(parser.parse_args())
-        dist.destroy_process_group()  # (one_line_errors() also does, on any exit, and lets FSDP's meshes go)
+        raise SystemExit(main(get_args_parser().parse_args()))  # None, or 128 + the signal after a stop

@@ -148,6 +148,7 @@ class Metrics:
         }
 
 
+@utils.leaves_nothing_behind  # returns the process as it found it: a notebook may call main() again
 def main(args):
     guards.require_one_process()  # a launcher's RANK left in the shell would make it another process's
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
@@ -244,7 +245,7 @@ def main(args):
         metrics = evaluate(model, ema, val_loader, device, classes, stop)  # (cut short by a stop)
         if stop.agreed():  # stopped in the epoch or its evaluation: saved, and --resume auto continues there
             run.save(model, ema, optimizer, position)
-            stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
+            return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
         is_best = run.new_best(metrics)
         position.end_epoch()  # the next epoch starts at its first sample
@@ -284,8 +285,13 @@ def evaluate(model, ema, loader, device, names, stop=None):
     return metrics | {f"ema_{name}": value for name, value in averaged.items()}
 
 
-if __name__ == "__main__":
+def get_args_parser():
+    """Every flag of this script with its default: main(get_args_parser().parse_args([...])) from Python."""
     parser = utils.get_args_parser(__doc__.splitlines()[0])
     add_task_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":
     with guards.one_line_errors():  # bad input: one line, not a traceback; Ctrl-C: one line, exit 130
-        main(parser.parse_args())
+        raise SystemExit(main(get_args_parser().parse_args()))  # None, or 128 + the signal after a stop

@@ -7,6 +7,7 @@ image folders and ResNet."""
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -30,6 +31,38 @@ from guards import UsageError
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 DIVERGED_HINT = "lower --lr, or clip the gradients (--clip-grad; with fp16, try --amp-dtype bf16)"
+
+
+# ----------------------------------------------------------------------------------------- main() itself
+def leaves_nothing_behind(main):
+    """main(args), decorated: however it ends, it leaves the process as it found it, so that a notebook or a sweep
+    can call it again: the stop signals' handlers and threading.excepthook as they were, the run folder's lock let
+    go, TensorBoard's writer closed; after a return (a stop's too) no process group either. After an error the
+    scripts' one_line_errors() reads the loader workers to name a killed one, then ends them and the group."""
+
+    def group_exists():
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    @functools.wraps(main)
+    def called(args):
+        handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        excepthook = threading.excepthook
+        caller_had_a_group = group_exists()  # (then it is the caller's, not main()'s)
+        try:
+            status = main(args)
+            if group_exists() and not caller_had_a_group:  # main() made it: a stop's return, or --test-only's
+                torch.distributed.destroy_process_group()
+            return status
+        finally:
+            for logger in list(LOGGERS):
+                with contextlib.suppress(Exception):  # (a full disk: said already, or said by the error)
+                    logger.close()
+            guards.release_run_folder()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            threading.excepthook = excepthook
+
+    return called
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -712,13 +745,15 @@ class StopOnSignal:
         return self.signum
 
     def exit(self, step, output_dir):
+        """The stop's line; returns main()'s exit status, as if the signal had ended the process: 143 for SIGTERM,
+        130 for SIGINT (a notebook's Ctrl-C ends the run, not the session)."""
         if int(os.environ.get("RANK", 0)) == 0:
             print(
                 f"stopped by {signal.Signals(self.signum).name} after step {step}: checkpoint saved; continue "
                 f"with --resume auto --output-dir {output_dir}",
                 flush=True,
             )
-        sys.exit(128 + self.signum)  # as if the signal had ended the process: 143 for SIGTERM, 130 for SIGINT
+        return 128 + self.signum
 
 
 def init_loader_worker(worker_id):
@@ -764,6 +799,11 @@ def beats_best(metrics, name, best, higher_is_better):
     return metrics[name] > best if higher_is_better else metrics[name] < best
 
 
+LOGGERS = (
+    set()
+)  # the Loggers open in this process (their writer's thread lives on): leaves_nothing_behind() closes them
+
+
 class Logger:
     """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
 
@@ -788,6 +828,7 @@ class Logger:
             # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
             with self.writing():
                 self.writer = SummaryWriter(str(output_dir), purge_step=position.global_step + 1)
+            LOGGERS.add(self)
             threading.excepthook = reporting.quiet_tensorboard_thread
 
     @contextlib.contextmanager
@@ -899,6 +940,7 @@ class Logger:
         return self.train_images / self.train_seconds if self.train_seconds else 0.0
 
     def close(self):
+        LOGGERS.discard(self)
         if self.writer:
             with self.writing():
                 self.writer.close()

@@ -584,3 +584,52 @@ def test_weights_with_another_head_then_freeze_trains_only_the_head(tiny_data, t
     assert trained["fc.weight"].shape == (3, 512)
     for key in ("fc.weight", "fc.bias"):
         assert (trained[key] - initial[key]).abs().max() > 1e-3, f"{key} did not train"
+
+
+# What a notebook cell runs: main() twice in one process, the first stopped by Ctrl-C after its first step (SIGINT,
+# as a terminal's Ctrl-C sends it), the second resuming; what the process holds is printed after each.
+NOTEBOOK = """
+import fcntl, json, os, signal, subprocess, sys, threading
+import train_single, utils
+
+def held():
+    lock = subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a'), "
+                           "fcntl.LOCK_EX | fcntl.LOCK_NB)", "run/.lock"], capture_output=True)
+    return {"handlers": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)],
+            "excepthook": str(threading.excepthook), "threads": sorted(t.name for t in threading.enumerate()),
+            "children": len(__import__("multiprocessing").active_children()),
+            "locked by this process": lock.returncode != 0 if os.path.exists("run/.lock") else None}
+
+step = utils.Logger.step
+def step_then_ctrl_c(self, *args):  # Ctrl-C once, after the first run's first step
+    step(self, *args)
+    if not getattr(utils, "pressed", False):
+        utils.pressed = True
+        os.kill(os.getpid(), signal.SIGINT)
+utils.Logger.step = step_then_ctrl_c
+
+found = held()
+argv = sys.argv[1:]
+stopped = train_single.main(train_single.get_args_parser().parse_args(argv))
+after_stop = held()
+resumed = train_single.main(train_single.get_args_parser().parse_args([*argv, "--resume", "auto", "--workers", "1"]))
+print(json.dumps({"found": found, "stopped": stopped, "after stop": after_stop, "resumed": resumed,
+                  "after resume": held()}))
+"""
+
+
+def test_main_twice_in_one_process_leaves_nothing_behind_and_equals_a_fresh_process(tiny_data, bare, exact_single):
+    """As a notebook calls it (issue 68): Ctrl-C ends the first main() with its one line and status 130 (not a
+    SystemExit into the session); afterwards the process holds what it held before (the signal handlers,
+    threading.excepthook, its threads, no loader worker) and no lock on the run folder, so a second main() in the same
+    process resumes it (with a loader worker, ended when it returns), ending where one uninterrupted run in a fresh
+    process ends (exact_single's arguments)."""
+    args = [*"--img-size 32 --epochs 2 --workers 0 --print-freq 1 --val-fraction 0.25 --freeze -b 16".split()]
+    ended = run([sys.executable, "-c", NOTEBOOK, *args, "--data-path", str(tiny_data), "--output-dir", "run"], cwd=bare)
+    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-3000:]
+    held = json.loads(ended.stdout.splitlines()[-1])
+    assert "stopped by SIGINT after step 1: checkpoint saved" in ended.stdout, ended.stdout
+    assert held["stopped"] == 130 and held["resumed"] is None, held
+    for moment in ("after stop", "after resume"):
+        assert held[moment] == {**held["found"], "locked by this process": False}, (moment, held)
+    assert_same_weights(load_model_state(bare / "run" / "last.pt"), load_model_state(exact_single / "last.pt"))
