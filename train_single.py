@@ -73,6 +73,15 @@ def run_model(model, inputs, targets):
     return model(utils.normalize(inputs))
 
 
+def preprocessing(args):
+    """How an input is prepared for evaluation (the validation set's transform, then run_model()'s), as plain values
+    that every checkpoint keeps: a prediction from best.pt prepares its inputs alike (docs/adapting.md). Ours: resize,
+    centre crop, ImageNet's normalisation."""
+    import builtin
+
+    return builtin.preprocessing(args)
+
+
 def set_trainable(args, model, epoch):
     """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
     wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
@@ -154,7 +163,7 @@ def main(args):
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    run = utils.Run(args, __file__, Metrics)  # its folder, and the checkpoint it resumes
+    run = utils.Run(args, __file__, Metrics, preprocessing(args))  # its folder, and the checkpoint it resumes
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)

@@ -525,10 +525,12 @@ class Run:
     few lines; dist_utils.Run adds torchrun's restarts and the ranks' agreement on the folder. Its files and lines
     come from global rank 0 alone, but for save(): the script decides who saves (FSDP's ranks all write shards)."""
 
-    def __init__(self, args, script, metrics, run_id=None):
-        """metrics: the task's Metrics class (.best names the metric best.pt follows). Nothing is written yet."""
+    def __init__(self, args, script, metrics, preprocessing, run_id=None):
+        """metrics: the task's Metrics class (.best names the metric best.pt follows); preprocessing: the task
+        block's preprocessing(args), which every checkpoint keeps. Nothing is written yet."""
         self.started = time.time()
         self.args = args
+        self.preprocessing = preprocessing
         self.run_id = run_id  # torchrun's, under --max-restarts: a restart continues the last.pt of its own job
         self.metric = metrics.best
         self.higher_is_better = metrics.higher_is_better
@@ -553,6 +555,13 @@ class Run:
         if ema is not None and checkpoint.get("ema"):
             ema.load_state_dict(checkpoint["ema"])
         if self.args.test_only:
+            saved = checkpoint.get("preprocessing", self.preprocessing)
+            if saved != self.preprocessing and int(os.environ.get("RANK", 0)) == 0:
+                print(
+                    f"warning: {self.resume} was evaluated with inputs prepared as {saved}, this run prepares them "
+                    f"as {self.preprocessing}: its metrics are not the run's; give the flags it was trained with",
+                    flush=True,
+                )
             return None
         position.load_state_dict(checkpoint)
         self.best = checkpoint["best"]
@@ -599,6 +608,7 @@ class Run:
             "run_id": self.run_id,
             "args": vars(self.args),
             "classes": self.classes,
+            "preprocessing": self.preprocessing,  # how an input is prepared for the model (docs/adapting.md)
         }
         save_checkpoint(checkpoint, self.dir, is_best)
 

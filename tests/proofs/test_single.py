@@ -633,3 +633,35 @@ def test_main_twice_in_one_process_leaves_nothing_behind_and_equals_a_fresh_proc
     for moment in ("after stop", "after resume"):
         assert held[moment] == {**held["found"], "locked by this process": False}, (moment, held)
     assert_same_weights(load_model_state(bare / "run" / "last.pt"), load_model_state(exact_single / "last.pt"))
+
+
+def test_the_docs_predict_script_gives_the_runs_own_validation_predictions(exact_single, tiny_data, bare, tmp_path):
+    """docs/adapting.md's predict.py, as it stands there and with no helper beside it, on best.pt and the run's
+    validation images: each image's class and probability as the run's evaluation computes them (its validation set,
+    the model normalising as run_model() does). Evaluated with other inputs (--test-only --img-size 48), a line says
+    so."""
+    code = re.search(r"```python\n(# predict\.py.*?)```", (REPO / "docs" / "adapting.md").read_text(), re.S)[1]
+    (tmp_path / "predict.py").write_text(code)
+    checkpoint = torch.load(exact_single / "best.pt", map_location="cpu", weights_only=True)
+    _, val_set, classes = builtin.datasets(SimpleNamespace(**checkpoint["args"]))
+    model = torchvision.models.get_model(checkpoint["args"]["model"], num_classes=len(classes))
+    model.load_state_dict(checkpoint["model"])
+    model.eval()
+    expected = []
+    with torch.no_grad():
+        for (path, _), (image, _) in zip(val_set.files, val_set):
+            probabilities = model(utils.normalize(image[None]))[0].softmax(0)
+            expected.append(f"{path}: {classes[probabilities.argmax()]} {probabilities.max():.6f}")
+    files = [path for path, _ in val_set.files]
+    predicted = run([sys.executable, "predict.py", str(exact_single / "best.pt"), *files], cwd=tmp_path)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    assert predicted.stdout.splitlines() == expected
+
+    other = run(
+        [sys.executable, SCRIPT, "--test-only", "--resume", str(exact_single / "best.pt"), "--img-size", "48"]
+        + ["--data-path", str(tiny_data), "--val-fraction", "0.25", "--output-dir", str(tmp_path / "other")],
+        cwd=bare,
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert f"warning: {exact_single / 'best.pt'} was evaluated with inputs prepared as" in other.stdout, other.stdout
+    assert "'center_crop': 32" in other.stdout and "'center_crop': 48" in other.stdout
