@@ -416,6 +416,9 @@ def loader_options(workers, device):
         "pin_memory": device.type in ("cuda", "xpu"),
         "persistent_workers": workers > 0,
         "worker_init_fn": init_loader_worker,
+        # forked on Linux also where this process was started by spawn (a launch from Python: docs/running.md), where
+        # each worker would import torch again (seconds each); elsewhere the platform's default
+        "multiprocessing_context": "fork" if workers and sys.platform.startswith("linux") else None,
     }
 
 

@@ -22,6 +22,7 @@ from support import (
     REPO,
     assert_resumed_after,
     assert_same_weights,
+    copy_rung,
     job_env,
     load_model_state,
     ranks,
@@ -160,6 +161,26 @@ ENGINES = {  # name: (pod a, pod b), each (hostname, environment, launcher)
     "trainjob-v2": (("resnet-node-0-0", trainjob_env(0), TORCHRUN), ("resnet-node-0-1", trainjob_env(1), TORCHRUN)),
     "srun-python": (("node1", srun_env(0), [sys.executable]), ("node2", srun_env(1), [sys.executable])),
 }
+
+
+def test_torchs_launcher_api_from_python_trains_as_torchrun_does(default_ddp, tiny_data, tmp_path):
+    """docs/running.md's launch.py, as the page has it, beside a copy of train_ddp_torchrun.py: elastic_launch from
+    Python (its processes started by spawn, the loader workers still forked) ends bitwise where `bash run.sh ddp 2`
+    with the same flags ends (default_ddp), every flag's default from get_args_parser(), the threads shared out as
+    run.sh does; main() returned None on both ranks."""
+    code = re.search(r"```python\n(# launch\.py.*?)```", (REPO / "docs" / "running.md").read_text(), re.S)[1]
+    copy_rung("ddp", tmp_path)
+    (tmp_path / "launch.py").write_text(code)
+    env = {name: value for name, value in job_env().items() if name != "OMP_NUM_THREADS"}  # launch.py's to set
+    ended = run(
+        [sys.executable, "launch.py", *DEFAULTS, "--data-path", str(tiny_data), "--output-dir", "run"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert ended.returncode == 0, ended.stdout[-2000:] + ended.stderr[-2000:]
+    assert ended.stdout.splitlines()[-1] in ("{0: None, 1: None}", "{1: None, 0: None}"), ended.stdout[-2000:]
+    assert "global batch 16 = 8 per process x 2 processes" in ended.stdout
+    assert_same_weights(load_model_state(tmp_path / "run" / "last.pt"), load_model_state(default_ddp / "last.pt"))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
