@@ -92,7 +92,7 @@ def datasets(args):
     """(training set, validation set, class names) from --data-path, or from the demo data."""
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
-    img_size = crop_size(args)
+    img_size = args.img_size or (64 if args.data_path is None else 224)
     if codec_missing and int(os.environ.get("RANK", 0)) == 0:
         print(
             f"warning: TorchCodec cannot be imported ({codec_missing}): the images are decoded with PIL, slower on "
@@ -103,24 +103,6 @@ def datasets(args):
     train_set = ImageFiles(train_files, img_size, train=True)
     val_set = ImageFiles(val_files, img_size, train=False)
     return train_set, val_set, classes
-
-
-def crop_size(args):
-    """--img-size, else 64 on the demo data and 224 on a folder of yours."""
-    return args.img_size or (64 if args.data_path is None else 224)
-
-
-def preprocessing(args):
-    """How a validation image is prepared (ImageFiles, then utils.normalize in run_model()), as plain values: a
-    prediction that follows them gives the run's own validation predictions (docs/adapting.md's predict.py)."""
-    size = crop_size(args)
-    return {
-        "image": "RGB, uint8 (3, H, W)",
-        "resize": round(size * 8 / 7),  # the shorter side, antialiased; then the centre crop
-        "center_crop": size,
-        "mean": list(utils.MEAN),  # per channel, of the pixel values / 255
-        "std": list(utils.STD),
-    }
 
 
 # ------------------------------------------------------------------------------------------ image folders
@@ -206,6 +188,15 @@ class ImageFiles(Dataset):
         self.files = files
         self.img_size = img_size
         self.train = train
+        if not train:  # how an image is prepared here and by utils.normalize in run_model(): checkpoints keep it,
+            # and a prediction that follows it gives the run's own predictions (docs/adapting.md's predict.py)
+            self.preprocessing = {
+                "image": "RGB, uint8 (3, H, W)",
+                "resize": round(img_size * 8 / 7),  # the shorter side, antialiased; then the centre crop
+                "center_crop": img_size,
+                "mean": list(utils.MEAN),  # per channel, of the pixel values / 255
+                "std": list(utils.STD),
+            }
 
     def __len__(self):
         return len(self.files)

@@ -76,12 +76,12 @@ class Run(utils.Run):
     restarts=True: torchrun --max-restarts reruns the command after a failure, and the rerun continues this job's
     last.pt, in the same folder (named after the run id unless given)."""
 
-    def __init__(self, args, script, metrics, preprocessing, restarts=False):
+    def __init__(self, args, script, metrics, restarts=False):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         last = None  # this job's last.pt, read to learn that it is
         if restarts and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
             args, last = restarted(args, script, run_id)
-        super().__init__(args, script, metrics, preprocessing, run_id)
+        super().__init__(args, script, metrics, run_id)
         self.read = last  # read and checked once: load() takes it
 
     def claim(self):

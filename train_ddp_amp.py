@@ -80,15 +80,6 @@ def run_model(model, inputs, targets):
     return model(utils.normalize(inputs))
 
 
-def preprocessing(args):
-    """How an input is prepared for evaluation (the validation set's transform, then run_model()'s), as plain values
-    that every checkpoint keeps: a prediction from best.pt prepares its inputs alike (docs/adapting.md). Ours: resize,
-    centre crop, ImageNet's normalisation."""
-    import builtin
-
-    return builtin.preprocessing(args)
-
-
 def set_trainable(args, model, epoch):
     """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
     wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
@@ -171,7 +162,7 @@ def main(args):
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
     # Its folder and what it resumes; torchrun --max-restarts reruns a failed job, which continues its own last.pt
-    run = dist_utils.Run(args, __file__, Metrics, preprocessing(args), restarts=True)
+    run = dist_utils.Run(args, __file__, Metrics, restarts=True)
 
     # One process per device. The launcher's environment tells each process its rank and the master's address.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -195,6 +186,7 @@ def main(args):
     train_set, val_set, classes = build_datasets(args)
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
+    run.preprocessing = getattr(val_set, "preprocessing", None)  # kept in checkpoints, for predictions
     loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.
     # drop_last: the tail that does not divide among the ranks is dropped (without it, padded with repeated samples).
@@ -367,6 +359,8 @@ def evaluate(model, ema, loader, device, names, stop=None):
         metrics.update(outputs, targets)
     for total in (loss_sum, counts, *metrics.sums.values()):  # sums of the ranks' sums
         dist.all_reduce(total)
+    if stop:  # cut short: saved, never recorded, and the task's compute() never sees empty sums
+        return None
     count, counted = counts.tolist()
     metrics = {"loss": loss_sum.item() / counted if counted else None, "count": count, **metrics.compute()}
     return metrics | {f"ema_{name}": value for name, value in averaged.items()}

@@ -73,15 +73,6 @@ def run_model(model, inputs, targets):
     return model(utils.normalize(inputs))
 
 
-def preprocessing(args):
-    """How an input is prepared for evaluation (the validation set's transform, then run_model()'s), as plain values
-    that every checkpoint keeps: a prediction from best.pt prepares its inputs alike (docs/adapting.md). Ours: resize,
-    centre crop, ImageNet's normalisation."""
-    import builtin
-
-    return builtin.preprocessing(args)
-
-
 def set_trainable(args, model, epoch):
     """Which parameters train in `epoch` (their requires_grad), set before it starts; where that changes, the script
     wraps the model anew and builds a new optimizer (fine-tuning: the head first, then all). Ours: as built."""
@@ -163,12 +154,13 @@ def main(args):
     args = utils.check_args(args)  # a copy, with the defaults that depend on the machine
     device = utils.get_device(args.device)
     torch.backends.cudnn.benchmark = True  # fixed shapes (drop_last): cuDNN times its kernels once, keeps the best
-    run = utils.Run(args, __file__, Metrics, preprocessing(args))  # its folder, and the checkpoint it resumes
+    run = utils.Run(args, __file__, Metrics)  # its folder, and the checkpoint it resumes
 
     # Data. The sample stream is a pure function of (seed, epoch, index): see utils.SeededItems.
     train_set, val_set, classes = build_datasets(args)
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
+    run.preprocessing = getattr(val_set, "preprocessing", None)  # kept in checkpoints, for predictions
     loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)
@@ -289,6 +281,8 @@ def evaluate(model, ema, loader, device, names, stop=None):
             counts[1] += samples
         counts[0] += samples
         metrics.update(outputs, targets)
+    if stop:  # cut short: saved, never recorded, and the task's compute() never sees empty sums
+        return None
     count, counted = counts.tolist()
     metrics = {"loss": loss_sum.item() / counted if counted else None, "count": count, **metrics.compute()}
     return metrics | {f"ema_{name}": value for name, value in averaged.items()}

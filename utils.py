@@ -528,12 +528,11 @@ class Run:
     few lines; dist_utils.Run adds torchrun's restarts and the ranks' agreement on the folder. Its files and lines
     come from global rank 0 alone, but for save(): the script decides who saves (FSDP's ranks all write shards)."""
 
-    def __init__(self, args, script, metrics, preprocessing, run_id=None):
-        """metrics: the task's Metrics class (.best names the metric best.pt follows); preprocessing: the task
-        block's preprocessing(args), which every checkpoint keeps. Nothing is written yet."""
+    def __init__(self, args, script, metrics, run_id=None):
+        """metrics: the task's Metrics class (.best names the metric best.pt follows). Nothing is written yet."""
         self.started = time.time()
         self.args = args
-        self.preprocessing = preprocessing
+        self.preprocessing = None  # how an input is prepared for evaluation: the validation set's, where it says
         self.run_id = run_id  # torchrun's, under --max-restarts: a restart continues the last.pt of its own job
         self.metric = metrics.best
         self.higher_is_better = metrics.higher_is_better

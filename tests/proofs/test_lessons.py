@@ -138,8 +138,8 @@ LESSONS = [
     Lesson(
         "no-restart-resume",
         "train_ddp_torchrun.py",
-        "run = dist_utils.Run(args, __file__, Metrics, preprocessing(args), restarts=True)",
-        "run = dist_utils.Run(args, __file__, Metrics, preprocessing(args))",
+        "run = dist_utils.Run(args, __file__, Metrics, restarts=True)",
+        "run = dist_utils.Run(args, __file__, Metrics)",
         "torchrun --max-restarts restarts the group after a worker died, and it starts over in a new folder",
         "epoch 1/1  step 1/3",
         HERE + "test_no_restart_resume_starts_the_restarted_group_over",
