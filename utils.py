@@ -321,17 +321,19 @@ class Stream(Dataset):
 
 @contextlib.contextmanager
 def seeded(seed, epoch, index):
-    """torch's (CPU), Python's and numpy's generators seeded from (seed, epoch, index) within the block; torch's
-    state as it was after it (with --workers 0 the training loop draws from it too: its draws stay its own)."""
+    """torch's (CPU), Python's and numpy's generators seeded from (seed, epoch, index) within the block, and as they
+    were after it (with --workers 0 the training loop draws from them too: its draws stay its own)."""
     seed = hash((seed, epoch, index)) & 0xFFFF_FFFF_FFFF
-    saved = torch.get_rng_state()
+    saved = torch.get_rng_state(), random.getstate(), numpy.random.get_state()
     torch.default_generator.manual_seed(seed)  # not torch.manual_seed: a GPU's generator stays the training's
     random.seed(seed)
     numpy.random.seed(seed & 0xFFFF_FFFF)
     try:
         yield
     finally:
-        torch.set_rng_state(saved)
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        numpy.random.set_state(saved[2])
 
 
 class SeededItems(Dataset):
@@ -357,10 +359,14 @@ class SeededItems(Dataset):
 
 
 def seed_step(seed, epoch, step):
-    """Seed torch (CPU and devices) from (seed, rank, epoch, step): what the model draws (Dropout, stochastic depth)
-    is then the same in a resumed run as in an uninterrupted one, and each rank's own."""
+    """Seed torch (CPU and devices), Python's and numpy's generators from (seed, rank, epoch, step): what the model
+    and run_model() draw (Dropout, stochastic depth, a mixup's lambda from `random`) is then the same in a resumed
+    run as in an uninterrupted one, and each rank's own."""
     rank = int(os.environ.get("RANK", 0))  # the launcher's (require_launcher's where an engine starts the processes)
-    torch.manual_seed(hash((seed, rank, epoch, step)) & 0xFFFF_FFFF_FFFF)
+    step_seed = hash((seed, rank, epoch, step)) & 0xFFFF_FFFF_FFFF
+    torch.manual_seed(step_seed)
+    random.seed(step_seed)
+    numpy.random.seed(step_seed & 0xFFFF_FFFF)
 
 
 class EpochSampler(torch.utils.data.Sampler):
