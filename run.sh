@@ -28,6 +28,10 @@ NCCL_SOCKET_IFNAME (derived from MASTER_ADDR unless set); PYTHON.
 TXT
 }
 
+# SIGUSR1, SLURM's warning before a job's time is up (sbatch --signal=USR1@N), reaches every process of the step:
+# ignored here and by what run.sh starts (the launcher, whose default would be to die), noted by the ranks, which
+# stop and save on it as on SIGTERM
+trap '' USR1
 mode=${1:-}
 case "$mode" in
   single|dp|launch|ddp|amp|fsdp|bench|copy|shrink|doctor|gpucheck|site|test) shift ;;

@@ -736,7 +736,8 @@ def load_checkpoint(path, names, checkpoint=None):
 
 
 # ------------------------------------------------------------------------------------------------ stopping
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # preemption, Ctrl-C, a closed terminal
+# preemption, Ctrl-C, a closed terminal, SLURM's warning before the job's time is up (sbatch --signal=USR1@N)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1}
 
 
 class StopOnSignal:

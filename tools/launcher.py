@@ -39,7 +39,7 @@ SIGNAL = re.compile(r"torch\S*SignalException: Process \d+ got signal: (\d+)$")
 RENDEZVOUS = re.compile(r"torch\S*\.(Rendezvous\w*Error)\b")
 CHILD_FAILED = re.compile(r"torch\S*\.ChildFailedError:")
 RUN_FOLDER = re.compile(r"; output in (.+)$")  # rank 0's header line
-STOPPED = re.compile(r"stopped by (SIG[A-Z]+) after step ")  # the ranks' line after a stop (utils.StopOnSignal)
+STOPPED = re.compile(r"stopped by (SIG[A-Z0-9]+) after step ")  # the ranks' line after a stop (utils.StopOnSignal)
 # ChildFailedError's box: the first failure's rank, and its exit code (negative: the signal that ended it) and pid
 ROOT_CAUSE = re.compile(r"Root Cause.*?\n\s+rank\s+: (\d+).*?\n\s+exitcode\s+: (-?\d+) \(pid: (\d+)\)", re.S)
 
