@@ -83,6 +83,8 @@ class DataPath(argparse.Action):
     than the demo's textures (docs/data.md)."""
 
     def __call__(self, parser, namespace, value, option_string=None):
+        if not value.strip():  # --data-path "$DATA" with DATA unset: not the demo data, silently
+            raise UsageError("--data-path is empty (an unset shell variable?): give a folder of class sub-folders")
         namespace.data_path = value
         if isinstance(namespace.epochs, str):  # still the default: --epochs not given so far
             namespace.epochs = 30
@@ -145,6 +147,22 @@ def scan_classes(root):
         raise UsageError(f"no class sub-folders in {root}; expected {root}/<class name>/<image files>")
     if len(classes) < 2:
         raise UsageError(f"only one class ({classes[0]}) in {root}; a classifier needs at least 2 class folders")
+    # A class folder that is a link to the data folder, or to another class's, would hold those images again
+    real = {name: (root / name).resolve() for name in classes}
+    linked = [name for name in classes if (root / name).is_symlink()]
+    for name in linked:
+        if real[name] == root.resolve() or real[name] in root.resolve().parents:
+            raise UsageError(
+                f"class folder {root / name} is a link to {real[name]}, which holds the data folder: remove it"
+            )
+    for name in linked:
+        path = real[name]
+        for other, elsewhere in real.items():
+            if other != name and (path == elsewhere or elsewhere in path.parents):
+                raise UsageError(
+                    f"class folder {root / name} is a link into class {other} ({path}): its images would be in "
+                    f"two classes; remove the link, or copy the images"
+                )
     found = []
     for label, name in enumerate(classes):
         files = []

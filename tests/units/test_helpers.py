@@ -32,7 +32,7 @@ import train_single  # its task block: the default loss, optimizer and target ch
 import guards
 import reporting
 import utils
-from support import logger
+from support import logger, make_dataset
 
 
 # ------------------------------------------------------------------------------ what a copier of a rung pays for
@@ -1063,3 +1063,26 @@ def test_each_rank_draws_its_own_randomness(monkeypatch):
         return torch.nn.functional.dropout(torch.ones(64), 0.5)
 
     assert not torch.equal(masks(0), masks(1)) and torch.equal(masks(1), masks(1))
+
+
+def test_a_data_folder_that_holds_itself_or_an_empty_data_path_is_refused(tmp_path):
+    """Issue 69: --data-path "" (an unset shell variable) trained on the demo data and exited 0; a class folder that
+    is a link to the data folder became a class holding every image again, and one linked into another class put
+    its images in two classes: each now one line, before anything is read."""
+    parser = utils.get_args_parser("test")
+    builtin.add_arguments(parser)
+    with pytest.raises(guards.UsageError, match=r"^--data-path is empty \(an unset shell variable\?\)"):
+        parser.parse_args(["--data-path", ""])
+    root = make_dataset(tmp_path / "data", [2, 2], size=8)
+    (root / "c2").symlink_to(root)
+    with pytest.raises(guards.UsageError) as refused:
+        builtin.find_images(root, 0.5)
+    assert (
+        str(refused.value) == f"class folder {root / 'c2'} is a link to {root}, which holds the data folder: remove it"
+    )
+    (root / "c2").unlink()
+    (root / "c2").symlink_to(root / "c0")
+    with pytest.raises(guards.UsageError, match=r"is a link into class c0 .*: its images would be in two classes"):
+        builtin.find_images(root, 0.5)
+    (root / "c2").unlink()
+    assert builtin.find_images(root, 0.5)[0] == ["c0", "c1"]
