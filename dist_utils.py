@@ -87,14 +87,17 @@ class Run(utils.Run):
     def claim(self):
         """utils.Run.claim() by global rank 0, its outcome told to every rank: a second job into the folder, or a
         folder that cannot be written, ends every rank alike, in one line from one of them."""
-        error = [None]
+        outcome = [None, self.dir]  # (the error, the folder: a new one's name is rank 0's choice)
         try:
             super().claim()  # global rank 0 holds the folder; the others only note it
+            outcome[1] = self.dir
         except UsageError as failure:
-            error = [str(failure)]
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            raise UsageError(error[0])
+            outcome[0] = str(failure)
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise UsageError(outcome[0])
+        if dist.get_rank() > 0:
+            self.dir = guards.claim_output_dir(outcome[1])  # noted: rank 0's
 
 
 def restarted(args, script, run_id):

@@ -10,6 +10,7 @@ import argparse
 import atexit
 import contextlib
 import errno
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -160,14 +161,18 @@ _RUN_DIR = {}  # "folder": the run folder (every rank); "lock": its open lock fi
 OWN_TEMPORARY = re.compile(r"\.(last\.pt|best\.pt|results\.json|class_indices\.json)\.\d+\.tmp")  # atomic_write's
 
 
-def claim_output_dir(output_dir):
+def claim_output_dir(output_dir, new=False):
     """Create the run folder and hold it until this job ends: a second job into it ends here in one line. Global rank
     0 holds a POSIX lock on .lock, which the kernel releases however the process ends (also on NFS); the other ranks
-    only note the folder (dist_utils.Run.claim tells them rank 0's outcome)."""
+    only note the folder (dist_utils.Run.claim tells them rank 0's outcome). new: a default folder, made here as a new
+    one: where a job of a sweep started in the same second made it first, the next name (-2, -3, ...). Returns the
+    folder."""
     _RUN_DIR["folder"] = output_dir
     if int(os.environ.get("RANK", 0)) > 0:
-        return
+        return output_dir
     try:
+        if new:
+            output_dir = _RUN_DIR["folder"] = make_new_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(output_dir / ".lock", "a+")
     except OSError as failure:  # a read-only or full disk, a file where the folder should be
@@ -178,6 +183,19 @@ def claim_output_dir(output_dir):
     error = lock_run_folder(lock, output_dir)
     if error:
         raise UsageError(error)
+    return output_dir
+
+
+def make_new_folder(folder):
+    """folder, made by this process; where another made it first (a job of a sweep started in the same second),
+    folder-2, folder-3, ...: the one this process made."""
+    for n in itertools.count(1):
+        candidate = folder if n == 1 else folder.with_name(f"{folder.name}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
 
 
 def lock_run_folder(lock, output_dir):

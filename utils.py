@@ -543,6 +543,7 @@ class Run:
         self.metric = metrics.best
         self.higher_is_better = metrics.higher_is_better
         self.dir, self.resume = guards.resolve_run(args, script)
+        self.new = not args.output_dir and self.resume is None  # runs/<script>-<date>-<time>, to be made (claim)
         self.best = None  # the best value of the metric so far
         self.classes = None
         self.resuming = ""  # for the start-up line: where a resumed run continues
@@ -592,7 +593,7 @@ class Run:
 
     def claim(self):
         """Hold the folder to the end of the job (a second job into it ends here, in one line); its class names."""
-        guards.claim_output_dir(self.dir)
+        self.dir = guards.claim_output_dir(self.dir, self.new)
         if int(os.environ.get("RANK", 0)) == 0:
             write_json(self.dir / "class_indices.json", dict(enumerate(self.classes)))
 

@@ -1086,3 +1086,36 @@ def test_a_data_folder_that_holds_itself_or_an_empty_data_path_is_refused(tmp_pa
         builtin.find_images(root, 0.5)
     (root / "c2").unlink()
     assert builtin.find_images(root, 0.5)[0] == ["c0", "c1"]
+
+
+SWEEP_JOB = r"""
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import guards
+while time.time() < float(sys.argv[2]):  # the jobs of a sweep, started in the same second
+    time.sleep(0.001)
+print(guards.claim_output_dir(Path("runs/train_single-20261207-120000"), new=True), flush=True)
+time.sleep(1)  # each holds its folder while the others claim theirs
+"""
+
+
+def test_jobs_of_a_sweep_started_together_get_a_default_folder_each(tmp_path):
+    """Issue 69: four jobs started at once with the default --output-dir (runs/<script>-<date>-<time>, the same name
+    within a second) shared one folder, and three were refused as 'in use by another job' after 44 s. Each now makes
+    its folder (the next name where another job made it first) and holds it."""
+    start = time.time() + 4  # after every process has imported torch
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SWEEP_JOB, str(Path(utils.__file__).parent), str(start)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    ended = [job.communicate(timeout=60) for job in jobs]
+    assert [job.returncode for job in jobs] == [0] * 4, ended
+    stem = "runs/train_single-20261207-120000"
+    assert sorted(out.strip() for out, _ in ended) == [stem, f"{stem}-2", f"{stem}-3", f"{stem}-4"], ended
