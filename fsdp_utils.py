@@ -65,6 +65,35 @@ def release_meshes():
     gc.collect()  # FSDP's hooks hold the modules, and through them the group, in reference cycles
 
 
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def units(model):
+    """FSDP's units of a model, each sharded and gathered whole (its size bounds the memory): its repeated blocks,
+    the outermost ones (two or more modules of one class, each made of modules, side by side in a ModuleList,
+    ModuleDict or Sequential: a ResNet's residual blocks, a transformer's layers, nanoGPT's `h`, torchvision's ViT
+    `encoder.layers`, Hugging Face's `layers`); a model without any, each child that holds parameters, a container's
+    children in its place (fully_shard refuses a ModuleList, whose forward does nothing). What is left (embeddings, a
+    head, weights tied between them) stays with the root."""
+
+    def repeated_blocks(module):
+        if isinstance(module, CONTAINERS):
+            blocks = [child for child in module.children() if list(child.children())]
+            kinds = [type(block) for block in blocks]
+            if any(kinds.count(kind) > 1 for kind in kinds):
+                return [block for block in blocks if kinds.count(type(block)) > 1]
+        return [block for child in module.children() for block in repeated_blocks(child)]
+
+    def children(module):
+        for child in module.children():
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                yield from children(child)
+            elif list(child.parameters()):
+                yield child
+
+    return repeated_blocks(model) or list(children(model))
+
+
 def update_average(averaged, model):
     """averaged.update_parameters(model) (torch's AveragedModel) where both are sharded: each rank updates its own
     shards. Their parameters are DTensors and their buffers plain tensors, which one foreach op refuses to mix unless

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import dist_utils
 import fsdp_utils
@@ -250,11 +249,9 @@ def main(args):
     shape = (args.hsdp, world_size // args.hsdp) if args.hsdp else (world_size,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for module in [model] if ema is None else [model, ema.module]:  # an EMA's copy alike: it updates shard by shard
-        # The units: a ResNet's residual blocks, else each child module of the model that holds parameters. A unit is
-        # gathered whole, so its size bounds the memory: for your model, list its repeated blocks here.
-        units = [m for m in module.modules() if isinstance(m, (BasicBlock, Bottleneck))]
-        if not units:  # another model: each child module that holds parameters
-            units = [child for child in module.children() if list(child.parameters())]
+        # The units, each gathered whole (its size bounds the memory): the model's repeated blocks (a ResNet's residual
+        # blocks, a transformer's layers), else each child that holds parameters; for other ones, list yours here
+        units = fsdp_utils.units(module)
         batchnorms = [m for m in module.modules() if bf16 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         for unit in batchnorms + units:  # ZeRO-3 frees a unit's gathered weights after its forward; ZeRO-2 keeps them
             fully_shard(

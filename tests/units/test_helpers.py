@@ -1119,3 +1119,88 @@ def test_jobs_of_a_sweep_started_together_get_a_default_folder_each(tmp_path):
     assert [job.returncode for job in jobs] == [0] * 4, ended
     stem = "runs/train_single-20261207-120000"
     assert sorted(out.strip() for out, _ in ended) == [stem, f"{stem}-2", f"{stem}-3", f"{stem}-4"], ended
+
+
+FSDP_UNITS = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.nn as nn, torchvision
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import fsdp_utils
+
+class Block(nn.Module):  # a decoder layer: attention and MLP, each with its norm
+    def __init__(self, width):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+    def forward(self, x):
+        x = x + self.attention(*[self.norm1(x)] * 3, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+class NanoGPT(nn.Module):  # nanoGPT's layout: a ModuleDict holding the ModuleList h, the head tied to the embedding
+    def __init__(self, vocab=32, width=16, layers=3):
+        super().__init__()
+        blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(vocab, width), wpe=nn.Embedding(8, width),
+                                              h=blocks, ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+    def forward(self, tokens):
+        x = self.transformer.wte(tokens) + self.transformer.wpe(torch.arange(tokens.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+class Decoder(nn.Module):  # Hugging Face's layout: model.layers, a ModuleList
+    def __init__(self, vocab=32, width=16, layers=2):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+vit = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=8,
+                                           mlp_dim=16, num_classes=3)
+cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+resnet = torchvision.models.resnet18(num_classes=3)
+nano, decoder = NanoGPT(), Decoder()
+expected = {"resnet": (resnet, ["BasicBlock"] * 8), "vit": (vit, ["EncoderBlock"] * 2),
+            "nanogpt": (nano, ["Block"] * 3), "decoder": (decoder, ["Block"] * 2),
+            "cnn": (cnn, ["Conv2d", "BatchNorm2d", "LazyLinear"])}
+for name, (model, kinds) in expected.items():
+    found = [type(unit).__name__ for unit in fsdp_utils.units(model)]
+    assert found == kinds, (name, found)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
+inputs = {"resnet": torch.rand(2, 3, 32, 32), "vit": torch.rand(2, 3, 16, 16), "nanogpt": torch.randint(0, 32, (2, 8)),
+          "decoder": torch.randint(0, 32, (2, 8)), "cnn": torch.rand(2, 3, 8, 8)}
+for name, (model, _) in expected.items():
+    model(inputs[name])  # (the lazy layer's shape)
+    for unit in fsdp_utils.units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    model(inputs[name]).sum().backward()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_fsdps_units_are_the_repeated_blocks_of_the_layouts_people_use(tmp_path):
+    """Issue 69: a transformer's nn.ModuleList of decoder layers was handed to fully_shard whole (its forward does
+    nothing: 105 lines, 3 tracebacks). The units: a ResNet's residual blocks, torchvision ViT's encoder layers,
+    nanoGPT's h (in a ModuleDict, the head tied to the embedding, which stay with the root), Hugging Face's layers,
+    and each child with parameters of a model without repeated blocks; each sharded, then trained a step (one
+    process)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FSDP_UNITS, str(Path(utils.__file__).parent), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.stdout == "ok\n", proc.stderr[-3000:]
