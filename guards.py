@@ -311,6 +311,8 @@ def one_line_errors(*every_rank_lines):
         """Read when needed: under srun, LOCAL_RANK is set by require_launcher(), after this block begins."""
         return int(os.environ.get("LOCAL_RANK", 0)) == 0
 
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = DroppedWhenGone(sys.stdout), DroppedWhenGone(sys.stderr)  # a closed terminal, | head
     try:
         yield
         status = 0
@@ -346,7 +348,40 @@ def one_line_errors(*every_rank_lines):
             traceback.print_exc()
     finally:
         end_loader_workers()  # whatever the report met: live workers ignore SIGTERM, and the exit would wait for them
+        sys.stdout, sys.stderr = streams
     sys.exit(status)
+
+
+class DroppedWhenGone:
+    """A script's sys.stdout or sys.stderr: once what it writes to has gone, a terminal closed (EIO, with SIGHUP) or
+    a reader that ended (EPIPE: `python train_single.py | head`), the rest goes to /dev/null instead of failing the
+    run before it saves (the stop's checkpoint, or training on to its end)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self.gone()
+
+    def gone(self):
+        """Its file descriptor onto /dev/null: what is left in the buffer, and Python's flush at exit, go there."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stream without a descriptor: pytest's)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name):  # the rest as the stream has it (isatty, fileno, encoding, ...)
+        return getattr(self.stream, name)
 
 
 def killed_worker(error):

@@ -221,6 +221,64 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_good_checkpoints(tiny_da
 TERMINAL_MODES = ["single", "dp", "launch"]
 
 
+def in_a_terminal(args, env, token, act):
+    """args run in a real terminal (a pseudo-terminal), as a user types them; act(terminal) once the first progress
+    line shows (type Ctrl-C, close the terminal). Returns (what the terminal showed, when it acted, the exit status:
+    None if the job still ran 180 s on, then killed)."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: bash run.sh in the terminal, as a user types it
+        try:
+            os.chdir(REPO)
+            os.execvpe("bash", [str(a) for a in args], env)
+        finally:
+            os._exit(127)
+    output, acted, status, deadline = b"", None, None, time.time() + 180
+    try:
+        while time.time() < deadline:
+            if terminal is not None and select.select([terminal], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(terminal, 4096)
+                except OSError:  # EIO: no process holds the terminal any more
+                    chunk = b""
+                output += chunk
+                if acted is None and b"  step 1/" in output:
+                    acted = time.time()
+                    if act(terminal) == "closed":
+                        terminal = None
+                if chunk:
+                    continue
+            time.sleep(0.1 if terminal is None else 0)
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(code)
+                break
+    finally:
+        if status is None:  # still running at the deadline
+            kill_job(token)
+            os.waitpid(pid, 0)
+        if terminal is not None:
+            os.close(terminal)
+    return output.decode(errors="replace").replace("\r\n", "\n"), acted, status
+
+
+def test_a_terminal_that_closes_stops_a_one_process_run_and_saves(tiny_data, tmp_path):
+    """bash run.sh single in a terminal that closes after the first step (SIGHUP, and every later write fails with
+    EIO): the stop saves and ends with 129, no process left (before: the next progress line failed with an EIO
+    traceback and exit 1, the save skipped)."""
+    token = uuid.uuid4().hex
+    args = ["bash", "run.sh", "single", *DEFAULTS, "--data-path", tiny_data, "--output-dir", tmp_path / "run"]
+
+    def close(terminal):
+        os.close(terminal)
+        return "closed"
+
+    text, closed, status = in_a_terminal(args, job_env(TEST_JOB=token, TERM="dumb"), token, close)
+    assert closed, f"no progress line within 180 s:\n{text[-3000:]}"
+    assert status == 129 and (tmp_path / "run" / "last.pt").is_file(), (status, text[-3000:])
+    assert not (tmp_path / "run" / "results.json").exists()
+    assert_job_gone(token)
+
+
 @pytest.mark.parametrize("mode", TERMINAL_MODES)
 def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
     """The one-process rungs and the launch rung: Ctrl-C typed into a real terminal (a pseudo-terminal: the terminal
@@ -238,37 +296,7 @@ def test_ctrl_c_in_a_terminal_stops_with_one_line(mode, tiny_data, tmp_path):
         *DEFAULTS,
         *f"--data-path {tiny_data} --output-dir {folder / 'run'}".split(),
     ]
-    pid, terminal = pty.fork()
-    if pid == 0:  # the child: bash run.sh in the terminal, as a user types it
-        try:
-            os.chdir(REPO)
-            os.execvpe("bash", [str(a) for a in args], env)
-        finally:
-            os._exit(127)
-    output, pressed, status, deadline = b"", None, None, time.time() + 180
-    try:
-        while time.time() < deadline:
-            if select.select([terminal], [], [], 0.1)[0]:
-                try:
-                    chunk = os.read(terminal, 4096)
-                except OSError:  # EIO: no process holds the terminal any more
-                    chunk = b""
-                output += chunk
-                if pressed is None and b"  step 1/" in output:
-                    os.write(terminal, b"\x03")  # Ctrl-C
-                    pressed = time.time()
-                if chunk:
-                    continue
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = os.waitstatus_to_exitcode(code)
-                break
-    finally:
-        if status is None:  # still running at the deadline
-            kill_job(token)
-            os.waitpid(pid, 0)
-        os.close(terminal)
-    text = output.decode(errors="replace").replace("\r\n", "\n")
+    text, pressed, status = in_a_terminal(args, env, token, lambda terminal: os.write(terminal, b"\x03"))  # Ctrl-C
     assert pressed, f"no progress line within 180 s:\n{text[-3000:]}"
     assert status is not None, f"still running {time.time() - pressed:.0f} s after Ctrl-C:\n{text[-3000:]}"
     lines = [line for line in text.splitlines() if line.strip()]

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -665,3 +666,25 @@ def test_the_docs_predict_script_gives_the_runs_own_validation_predictions(exact
     assert other.returncode == 0, other.stderr[-2000:]
     assert f"warning: {exact_single / 'best.pt'} was evaluated with inputs prepared as" in other.stdout, other.stdout
     assert "'center_crop': 32" in other.stdout and "'center_crop': 48" in other.stdout
+
+
+def test_a_reader_that_goes_away_loses_nothing(tiny_data, tmp_path):
+    """`python train_single.py | head -2`: once the reader has gone, the progress lines are dropped and the run trains
+    to its end and saves, with exit 0 and no traceback (before: a BrokenPipeError traceback at the next line, and no
+    checkpoint)."""
+    args = [*"--img-size 32 -b 8 --epochs 2 --print-freq 1 --val-fraction 0.25".split(), "--data-path", tiny_data]
+    with open(tmp_path / "stderr", "w") as stderr:
+        job = subprocess.Popen(
+            [sys.executable, SCRIPT, *map(str, args), "--output-dir", str(tmp_path / "run")],
+            cwd=REPO,
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        head = [job.stdout.readline() for _ in range(2)]
+        job.stdout.close()  # head ends
+        assert job.wait(timeout=120) == 0 and "ResNet" in head[0], head
+    errors = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in errors and "Error" not in errors, errors[-3000:]
+    assert (tmp_path / "run" / "results.json").is_file() and (tmp_path / "run" / "last.pt").is_file()
