@@ -161,6 +161,7 @@ def main(args):
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
     run.preprocessing = getattr(val_set, "preprocessing", None)  # kept in checkpoints, for predictions
+    val_set = utils.SeededItems(val_set, args.seed)  # what its items draw (a random flip): alike in every evaluation
     loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     shuffle = torch.Generator()  # reseeded every epoch, so the order depends only on (seed, epoch)
     train_sampler = torch.utils.data.RandomSampler(train_set, generator=shuffle)

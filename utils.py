@@ -339,7 +339,8 @@ def seeded(seed, epoch, index):
 class SeededItems(Dataset):
     """The training items for EpochSampler's keys (epoch, position, index): dataset[index] drawn with torch's (CPU),
     Python's and numpy's generators seeded from (seed, epoch, index), so its augmentation is the same whatever the
-    workers, ranks or resumption; a Stream's item at that position of the epoch, seeded from it."""
+    workers, ranks or resumption; a Stream's item at that position of the epoch, seeded from it. The validation
+    items for an index alone: seeded from (seed, index), the same in every evaluation and every run."""
 
     first_key = (0, 0, 0)  # the key of the first epoch's first item (guards.check_shm reads one item)
 
@@ -351,6 +352,11 @@ class SeededItems(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
+        if not isinstance(key, tuple):  # a validation item: seeded from (seed, index) alone
+            if isinstance(self.dataset, Stream):  # (its epoch 0, as a stream's validation set is read)
+                return self.dataset.item(0, key, (self.seed, -1))
+            with seeded(self.seed, -1, key):
+                return self.dataset[key]
         epoch, position, index = key
         if isinstance(self.dataset, Stream):  # read in its own order: the sampler's shuffle is not used
             return self.dataset.item(epoch, position, self.seed)

@@ -77,7 +77,9 @@ def grid():  # (y, x): the coordinates of a 16 x 16 image
 
 class Augmented(torch.utils.data.Dataset):
     """Float images normalised over the set (mean 0, standard deviation 1), and their targets; the training set's
-    augmented with randomness from torch (torchvision v2), Python's random and numpy, none of which moves a target."""
+    augmented with randomness from torch (torchvision v2), Python's random and numpy, none of which moves a target;
+    the validation set's flipped at random (from Python's random): it evaluates alike at any number of processes,
+    and in every run, only where its items are seeded."""
 
     def __init__(self, images, targets, train):
         self.images, self.targets = (images - images.mean()) / images.std(), targets
@@ -94,6 +96,8 @@ class Augmented(torch.utils.data.Dataset):
             if random.random() < 0.5:
                 image = image.flip(-2)
             image = image + torch.from_numpy(numpy.random.normal(0, 0.05, image.shape).astype("float32"))
+        elif random.random() < 0.5:  # the validation set flipped at random too (test-time augmentation)
+            image = image.flip(-1)
         return image, self.targets[index]
 
 
