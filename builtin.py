@@ -6,6 +6,7 @@ with its ImageNet weights (--model, --weights, --freeze). Yours replace them; th
 import argparse
 import contextlib
 import gc
+import hashlib
 import math
 import os
 import re
@@ -137,7 +138,7 @@ def find_images(data_path, val_fraction):
     for split, name, fix in ((val, "validation", "raise"), (train, "training", "lower")):
         if not split:
             raise UsageError(f"the {name} split of {root} is empty; {fix} --val-fraction or add images")
-    return classes, FileList(train), FileList(val)
+    return classes, FileList(train, root), FileList(val, root)
 
 
 def scan_classes(root):
@@ -186,10 +187,18 @@ class FileList:
     """A read-only list of (path, label) pairs in two numpy arrays: a list of tuples is written to by every read
     (reference counts), so each forked loader worker would copy it (217 MB for ImageNet's paths)."""
 
-    def __init__(self, pairs):
+    def __init__(self, pairs, root=""):
         # as bytes: fsencode/fsdecode round-trip undecodable file names
         self.paths = numpy.array([os.fsencode(path) for path, _ in pairs], dtype=bytes)
         self.labels = numpy.array([label for _, label in pairs], dtype=numpy.int64)
+        self.root = os.fsencode(root)  # the data folder, left out of the fingerprint: the same data moved is the same
+
+    def fingerprint(self):
+        """The files (their paths below the data folder) and labels, in order, hashed."""
+        digest = hashlib.sha256(self.labels.tobytes())
+        for path in self.paths:
+            digest.update(path.removeprefix(self.root) + b"\0")
+        return f"{len(self)} files, sha256 {digest.hexdigest()[:16]}"
 
     def __len__(self):
         return len(self.labels)
@@ -206,6 +215,7 @@ class ImageFiles(Dataset):
         self.files = files
         self.img_size = img_size
         self.train = train
+        self.fingerprint = files.fingerprint()  # a resume onto other files or another split is refused (utils.Run)
         if not train:  # how an image is prepared here and by utils.normalize in run_model(): checkpoints keep it,
             # and a prediction that follows it gives the run's own predictions (docs/adapting.md's predict.py)
             self.preprocessing = {

@@ -186,7 +186,7 @@ def main(args):
     train_set, val_set, classes = build_datasets(args)
     # Checked now (one line, not an error deep in the loader); a stream is read as a sequence (utils.Stream)
     train_set, val_set = utils.check_datasets(train_set, val_set, classes, input_problem, target_problem, collate)
-    run.preprocessing = getattr(val_set, "preprocessing", None)  # kept in checkpoints, for predictions
+    run.describe_data(train_set, val_set)  # checkpoints keep what a resume checks, and how inputs are prepared
     val_set = utils.SeededItems(val_set, args.seed)  # what its items draw (a random flip): alike in every evaluation
     loading = utils.loader_options(args.workers, device)  # worker processes, pinned memory for a GPU
     # Each rank takes every world_size-th sample of one shared permutation, reshuffled by set_epoch each epoch.

@@ -545,6 +545,7 @@ class Run:
         self.started = time.time()
         self.args = args
         self.preprocessing = None  # how an input is prepared for evaluation: the validation set's, where it says
+        self.data = None  # the datasets' sizes and fingerprints: a resume onto changed data is refused
         self.run_id = run_id  # torchrun's, under --max-restarts: a restart continues the last.pt of its own job
         self.metric = metrics.best
         self.higher_is_better = metrics.higher_is_better
@@ -555,6 +556,18 @@ class Run:
         self.resuming = ""  # for the start-up line: where a resumed run continues
         self.more = {}  # other objects whose state a checkpoint keeps (add_state)
         self.read = None  # the checkpoint to resume, where it was read already (a restart's: dist_utils.Run)
+
+    def describe_data(self, train_set, val_set):
+        """What checkpoints keep of the data: each set's size and, where it has one, its fingerprint (a hash of its
+        files and labels: builtin.ImageFiles), which a resume compares; and the validation set's preprocessing, where
+        it has one (docs/adapting.md: predicting from best.pt)."""
+        self.preprocessing = getattr(val_set, "preprocessing", None)
+        self.data = {
+            "training samples": len(train_set),
+            "validation samples": len(val_set),
+            "training files": getattr(train_set, "fingerprint", None),
+            "validation files": getattr(val_set, "fingerprint", None),
+        }
 
     def load(self, classes, model, ema, position):
         """The checkpoint of --resume, if any: its weights into the model (None: they are read another way) and the
@@ -578,6 +591,17 @@ class Run:
                     flush=True,
                 )
             return None
+        saved = checkpoint.get("data", self.data)
+        changed = [
+            f"other {name}" if name.endswith("files") else f"{name}: {saved.get(name)} then, {value} now"
+            for name, value in self.data.items()
+            if saved.get(name) != value
+        ]
+        if changed:  # a file added or removed: the validation split shifts (training images in it), the position too
+            raise UsageError(
+                f"--resume {self.resume}: the data changed since it was saved ({'; '.join(changed)}): resume with "
+                f"the data it was trained on, or start a new run from its weights (--weights, a new --output-dir)"
+            )
         position.load_state_dict(checkpoint)
         self.best = checkpoint["best"]
         self.resuming = f"\nresuming from {self.resume}: {position} (at global batch {checkpoint['global_batch']})"
@@ -624,6 +648,7 @@ class Run:
             "args": vars(self.args),
             "classes": self.classes,
             "preprocessing": self.preprocessing,  # how an input is prepared for the model (docs/adapting.md)
+            "data": self.data,  # (describe_data)
         }
         save_checkpoint(checkpoint, self.dir, is_best)
 

@@ -688,3 +688,25 @@ def test_a_reader_that_goes_away_loses_nothing(tiny_data, tmp_path):
     errors = (tmp_path / "stderr").read_text()
     assert "Traceback" not in errors and "Error" not in errors, errors[-3000:]
     assert (tmp_path / "run" / "results.json").is_file() and (tmp_path / "run" / "last.pt").is_file()
+
+
+def test_a_resume_onto_changed_data_is_refused_and_onto_moved_data_continues(tmp_path):
+    """Issue 69: one image added to each class reshuffled the validation split under a resume (29 of its 40 images had
+    been training images) with no word, and a folder with fewer images resumed 'after 120 of its 65 samples'. The
+    checkpoint keeps each set's size and its files' fingerprint: changed data ends in one line before training;
+    the same data in another folder resumes."""
+    data = make_dataset(tmp_path / "data", [12, 12, 12])
+    first = [sys.executable, SCRIPT, *FAST, "--epochs", "1", "--data-path", data, "--output-dir", tmp_path / "first"]
+    assert run(first).returncode == 0
+    shutil.copytree(data, tmp_path / "moved")
+    resume = [sys.executable, SCRIPT, *FAST, "--resume", tmp_path / "first" / "last.pt"]
+    moved = run([*resume, "--data-path", tmp_path / "moved", "--output-dir", tmp_path / "moved-run"])
+    assert moved.returncode == 0 and "resuming from" in moved.stdout, moved.stderr[-2000:]
+    make_dataset(tmp_path / "grown", [13, 13, 13])  # one more image in each class
+    grown = run([*resume, "--data-path", tmp_path / "grown", "--output-dir", tmp_path / "grown-run"])
+    assert grown.returncode == 1 and grown.stderr == (
+        f"error: --resume {tmp_path / 'first' / 'last.pt'}: the data changed since it was saved (validation samples: "
+        f"6 then, 9 now; other training files; other validation files): resume with the data it was trained on, or "
+        f"start a new run from its weights (--weights, a new --output-dir)\n"
+    ), grown.stderr
+    assert "Traceback" not in grown.stderr and not (tmp_path / "grown-run" / "last.pt").exists()
