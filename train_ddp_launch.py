@@ -202,7 +202,7 @@ def main(args):
     torch.manual_seed(args.seed)
     with dist_utils.local_rank_0_first():  # --weights DEFAULT: one download per node, into its cache
         model = build_model(args, len(classes)).to(device)
-    model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
+    model_name = f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters)"
     ema = build_ema(args, model)  # an average of the weights, or None
     global_batch = args.batch_size * world_size
     position = utils.Position(train_loader.sampler, global_batch, steps_per_epoch)  # epoch, and its samples done
