@@ -87,7 +87,7 @@ def check_run(proc, output_dir, device="cuda", trained=True):
     """The run trained on `device`, wrote a numeric accuracy (better than chance after a whole run) and a last.pt
     that a plain resnet18 loads."""
     ok(proc)
-    assert f"ResNet (11,179,077 parameters) on {device}" in proc.stdout, proc.stdout[:2000]
+    assert f"ResNet (11,178,051 parameters) on {device}" in proc.stdout, proc.stdout[:2000]
     results = json.loads((output_dir / "results.json").read_text())
     for key in ("best_acc", "final_acc", "val_loss"):
         value = results[key]
