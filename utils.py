@@ -856,7 +856,9 @@ LOGGERS = (
 
 
 class Logger:
-    """Progress lines on stdout and scalars in TensorBoard; a no-op where enabled is False (non-zero ranks)."""
+    """Progress lines on stdout, scalars in TensorBoard and the same figures in metrics.jsonl (a JSON object a line:
+    the loss, LR and speed of each printed step, the validation figures of each evaluation, each with its step and
+    epoch), for your own plots or tracker; a no-op where enabled is False (non-zero ranks)."""
 
     def __init__(self, output_dir, names, args, position, enabled=True, mean=None):
         """args: --epochs and --print-freq; position: the run's steps per epoch, global batch and first step; mean:
@@ -876,9 +878,15 @@ class Logger:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint
+            # purge_step, the first step this run logs, drops what a killed run logged after its last checkpoint; the
+            # lines of metrics.jsonl past it go too
             with self.writing():
                 self.writer = SummaryWriter(str(output_dir), purge_step=position.global_step + 1)
+                self.jsonl = output_dir / "metrics.jsonl"
+                if self.jsonl.exists():
+                    lines = self.jsonl.read_text().splitlines(keepends=True)
+                    kept = "".join(line for line in lines if json.loads(line)["step"] <= position.global_step)
+                    atomic_write(self.jsonl, lambda f: f.write(kept.encode()))
             LOGGERS.add(self)
             threading.excepthook = reporting.quiet_tensorboard_thread
 
@@ -955,6 +963,7 @@ class Logger:
         with self.writing():
             for name, value in (("loss", loss), ("lr", lr), ("img_per_s", img_per_s)):
                 self.writer.add_scalar(f"train/{name}", value, global_step)
+            self.add_line(global_step, loss=loss, lr=lr, samples_per_s=img_per_s)
         self.last_time = now
         self.last_step = step + 1
 
@@ -981,11 +990,20 @@ class Logger:
                 for name, value in metrics.items():
                     if isinstance(value, float):
                         self.writer.add_scalar(f"val/{name}", value, global_step)
+                numbers = {
+                    name: value for name, value in val_results(metrics).items() if isinstance(value, (int, float))
+                }
+                self.add_line(global_step, **numbers, data_wait=waiting)
                 if confusion.shape == (len(self.names), len(self.names)):
                     self.writer.add_image(
                         "val/confusion", reporting.confusion_image(confusion, self.names), global_step
                     )
                 self.writer.flush()
+
+    def add_line(self, step, **figures):
+        """A line of metrics.jsonl: {"step": global step, "epoch": from 1, figures...}."""
+        with open(self.jsonl, "a") as file:
+            file.write(json.dumps({"step": step, "epoch": self.epoch + 1, **figures}) + "\n")
 
     def img_per_s(self):
         return self.train_images / self.train_seconds if self.train_seconds else 0.0

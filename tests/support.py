@@ -26,15 +26,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]  # so that tests can import utils, builtin and the tools
 
 
-def logger(folder, names, epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1):
-    """utils.Logger as a run at its start makes it, from the flags and the position it reads."""
+def logger(folder, names, epochs=1, steps_per_epoch=1, global_batch=2, print_freq=1, global_step=0):
+    """utils.Logger as a run at its start makes it (a resumed one: at global_step), from the flags and the position it
+    reads."""
     import argparse
     import types
 
     import utils
 
     flags = argparse.Namespace(epochs=epochs, print_freq=print_freq)
-    position = types.SimpleNamespace(steps_per_epoch=steps_per_epoch, global_batch=global_batch, global_step=0)
+    position = types.SimpleNamespace(
+        steps_per_epoch=steps_per_epoch, global_batch=global_batch, global_step=global_step
+    )
     return utils.Logger(folder, names, flags, position)
 
 

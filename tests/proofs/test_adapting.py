@@ -1009,6 +1009,12 @@ def stopped_and_resumed(rung, task, project):
     return project / "run"
 
 
+def logged(folder):
+    """metrics.jsonl's lines, less the timings (samples/s, the share waiting for data)."""
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "data_wait")} for line in lines]
+
+
 def assert_same_figures(found, expected, task):
     """Each val_* figure of results.json: the counts and what the metrics make of integer sums equal, the losses (the
     model's and the EMA's) and the metrics that are float sums within 1e-6 (summed in another order); a loss the
@@ -1041,6 +1047,7 @@ def test_a_users_task_learns_resumes_bitwise_and_evaluates_alike(rung, task, run
     project, best = runs.project(rung, task), TASKS[task]["best"]
     resumed = stopped_and_resumed(rung, task, project)
     assert_same_weights(load_model_state(resumed / "last.pt"), load_model_state(whole / "last.pt"))
+    assert logged(resumed) == logged(whole)  # metrics.jsonl across the stop: no line twice, none missing
     ema, resumed_ema = (torch.load(folder / "last.pt", weights_only=True)["ema"] for folder in (whole, resumed))
     assert (ema is None) == (task not in ("text", "stream"))  # the EMA, saved, resumed and updated alike
     if ema is not None:

@@ -5,6 +5,7 @@ that they do."""
 
 import argparse
 import inspect
+import json
 import os
 import pickle
 import re
@@ -459,6 +460,29 @@ def test_the_training_image_grid_takes_grey_and_float_images(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert "train/augmented_images" in events.Tags()["images"]
+
+
+def test_metrics_jsonl_holds_each_step_once_across_a_kill_and_its_resume(tmp_path):
+    """metrics.jsonl, as a run killed after step 5 left it (its last checkpoint at step 3), then resumed from that
+    checkpoint: the lines past step 3 go, and the resumed run's steps 4 to 6 follow step 3 once (as TensorBoard's
+    purge_step drops its events)."""
+    log = logger(tmp_path, ["a", "b"], 1, 6, 2, 1)
+    log.start_epoch(0)
+    for step in range(5):
+        log.step(step, step + 1, torch.tensor(1.0 + step), 0.1)
+    log.close()
+    resumed = logger(tmp_path, ["a", "b"], 1, 6, 2, 1, global_step=3)
+    resumed.start_epoch(0, 3)
+    for step in range(3, 6):
+        resumed.step(step, step + 1, torch.tensor(1.0 + step), 0.1)
+    resumed.end_epoch(6, {"loss": 0.5, "count": 4, "acc": 0.75})
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line.get("loss"), line.get("val_acc")) for line in lines] == [
+        *[(step, 1.0 * step, None) for step in range(1, 7)],
+        (6, None, 0.75),
+    ]
+    assert sorted(lines[-1]) == ["data_wait", "epoch", "step", "val_acc", "val_count", "val_loss"], lines[-1]
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
