@@ -82,6 +82,8 @@ def choose_device(requested, accelerator, count, processes):
             f"--device {requested} is not a device name; use cpu, {accelerator or 'cuda'} or {accelerator or 'cuda'}:N"
         ) from None
     if device.type == "cpu":
+        if device.index:  # (cpu:0 is the CPU too)
+            raise UsageError(f"--device {requested}: the CPU is one device; use --device cpu")
         return device
     if device.type != accelerator:
         raise UsageError(
@@ -114,6 +116,16 @@ def resolve_run(args, script):
     """(output folder, checkpoint to resume), without touching the disk: a new folder by default. A run writes only
     into a new or empty folder, a run folder of these scripts (its .lock) or the folder of the checkpoint it resumes,
     and one holding a checkpoint or results only when it resumes it: it never overwrites what it did not write."""
+    try:
+        return resolve_run_folder(args, script)
+    except OSError as error:  # a name too long, a folder that cannot be read
+        raise UsageError(
+            f"--output-dir {str(args.output_dir)[:80]}{'...' * (len(str(args.output_dir)) > 80)}: "
+            f"{error.strerror or error}; choose another folder"
+        ) from None
+
+
+def resolve_run_folder(args, script):
     output_dir = Path(args.output_dir) if args.output_dir else None
     resume = None
     if args.resume == "auto":

@@ -121,6 +121,12 @@ def check_args(args):
             )
     if args.seed >= 2**62:  # torch's generators take 64 bits, and the shuffle's seed is seed + epoch
         raise UsageError(f"--seed must be below 2**62, got {args.seed}")
+    for name, most in (("lr", 1e30), ("weight_decay", 1e30), ("clip_grad", 1e30), ("dist_timeout", 10**9)):
+        value = getattr(args, name, None)
+        if value and value > most:  # past float32's range, or a timedelta's (seconds)
+            raise UsageError(
+                f"--{name.replace('_', '-')} {value:g} is past what training can use: give at most {most:g}"
+            )
     if args.workers is None:  # a GPU waits for its loaders: give them the cores; a CPU trains on those cores itself
         found = torch.accelerator.current_accelerator(check_available=True)
         gpus = found is not None and not (args.device or found.type).startswith("cpu")

@@ -98,12 +98,29 @@ def parse(*args):
         (["--workers", "-1"], "--workers must be 0 or more, got -1"),
         (["--print-freq", "0"], "--print-freq must be positive, got 0"),
         (["--img-size", "-32"], "--img-size must be positive, got -32"),
+        # past what float32 or a timedelta holds (issue 69: a traceback each, from the optimizer or the process group)
+        (["--lr", "1e300"], "--lr 1e+300 is past what training can use: give at most 1e+30"),
+        (["--dist-timeout", str(10**14)], "--dist-timeout 1e+14 is past what training can use: give at most 1e+09"),
     ],
 )
 def test_every_numeric_flag_is_checked_by_name(args, words):
     with pytest.raises(guards.UsageError, match=None) as refused:
         parse(*args)
     assert words in str(refused.value)
+
+
+def test_a_cpu_index_an_image_too_large_and_a_folder_name_too_long_are_one_line_each():
+    """Issue 69: --device cpu:1 initialised CUDA (a traceback on a machine without it), --img-size 100000 asked for
+    30 GB in one image's resize, and a 300-character --output-dir raised from pathlib: each a line now."""
+    with pytest.raises(guards.UsageError, match=r"^--device cpu:1: the CPU is one device; use --device cpu$"):
+        guards.choose_device("cpu:1", None, 0, 0)
+    assert guards.choose_device("cpu:0", None, 0, 0).type == "cpu"
+    with pytest.raises(guards.UsageError, match=r"^--img-size 100000: a batch of 32 such images takes \d+ GiB, more"):
+        builtin.datasets(parse("--img-size", "100000"))
+    with pytest.raises(
+        guards.UsageError, match=r"^--output-dir x{80}\.\.\.: File name too long; choose another folder$"
+    ):
+        guards.resolve_run(parse("--output-dir", "x" * 300), "train_single.py")
 
 
 def test_sensible_numbers_pass():
