@@ -80,7 +80,8 @@ STEPS = {
         "train_single.py",
         "train_ddp_launch.py",
         "DistributedDataParallel: a process per device, a process group, each rank its share of every epoch, exact "
-        "evaluation and output from rank 0.",
+        "evaluation and output from rank 0. Started here by torch.distributed.launch, which is deprecated (torch "
+        "prints a FutureWarning; torchrun replaced it, the next step): the DDP lines are the same under either.",
     ),
     "launch-torchrun": (
         "train_ddp_launch.py",
@@ -112,7 +113,9 @@ SIDE = ["single-dp", "torchrun-amp", "torchrun-fsdp"]
 KINDS = ("lesson", "robustness")
 NOTE_KEYS = {"page", "code", "kind", "ideas", "text", "lessons", "proofs", "picture"}
 CONTEXT = 3  # unchanged lines shown beside a hunk; the rest of a stretch is folded
-LESSONS_HEADER = "| lesson | script | the line | changed to | without it, the run printed | test |"
+LESSONS_HEADER = (
+    "| lesson | script | the line | changed to | without it, the run printed (GPU rows: what is expected) | test |"
+)
 NODE_ID = re.compile(r"tests/[\w/.-]+?\.py(?:::\w+)+(?:\[[^\]\s]*\])?")
 BARE_TEST = re.compile(r"`(test_\w+)`")
 
@@ -135,7 +138,10 @@ PICTURES = {
         "single",
         "launch",
         "Loss per step of train_single.py with batch 16 and of train_ddp_launch.py with 2 processes × batch 8 (the "
-        "global batch of 16). The DDP line is what rank 0 prints: the two ranks' mean, the loss of the global batch.",
+        "global batch of 16). The DDP line is what rank 0 prints: the two ranks' mean, the loss of the global batch."
+        " Both runs use --freeze (the head trains, BatchNorm in eval mode), so a sample's forward pass does not depend "
+        "on the rest of its batch: that is what makes 2 processes × 8 equal one process × 16. With BatchNorm training, "
+        "each process normalises over its own 8 samples and the lines part (docs/adapting.md: what stays exact).",
     ),
     "resumed-equals-uninterrupted": (
         "torchrun",
@@ -146,7 +152,9 @@ PICTURES = {
     "fsdp-equals-ddp": (
         "torchrun",
         "fsdp",
-        "Loss per step of train_ddp_torchrun.py (DDP) and train_fsdp.py (FSDP2), both 2 processes × batch 8.",
+        "Loss per step of train_ddp_torchrun.py (DDP) and train_fsdp.py (FSDP2), both 2 processes × batch 8."
+        " Both runs use --freeze (the head trains, BatchNorm in eval mode). With BatchNorm training, DDP copies rank "
+        "0's running statistics to every rank at each forward and FSDP keeps each rank's own (docs/fsdp.md).",
     ),
 }
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+)\s+step (\d+)/(\d+)\s+loss (\S+)", re.M)  # utils.Logger.step's line
@@ -789,7 +797,14 @@ def lessons_page(ladder, render):
     for note in ladder.notes:
         for lesson in note.get("lessons", []):
             named.setdefault(lesson, []).append(note)
-    heads = ["lesson", "script", "the line", "changed to", "without it, the run printed", "test"]
+    heads = [
+        "lesson",
+        "script",
+        "the line",
+        "changed to",
+        "without it, the run printed (GPU rows: what is expected)",
+        "test",
+    ]
     rows = []
     for lesson, cells in ladder.lessons.items():
         tests = ladder.lesson_tests(cells)

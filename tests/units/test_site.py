@@ -19,7 +19,7 @@ FAKE_LESSONS = "\n".join(
     [
         "# Lessons",
         "",
-        "| lesson | script | the line | changed to | without it, the run printed | test |",
+        "| lesson | script | the line | changed to | without it, the run printed (GPU rows: what is expected) | test |",
         "|---|---|---|---|---|---|",
         "| `no-set-epoch` | `train_ddp_launch.py` | `train_sampler.set_epoch(epoch)` | (removed) | `the same order` "
         "| `tests/proofs/test_ddp.py::test_ddp_equals_single_process_with_the_global_batch` |",
