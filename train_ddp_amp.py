@@ -267,7 +267,9 @@ def main(args):
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = reporting.Profiler(run.dir, args.profile, enabled=rank == 0)
     metrics = None
-    for epoch in range(position.epoch, args.epochs):
+    # An epoch, or its part up to an evaluation (--eval-every); --early-stop may end training sooner
+    while position.epoch < args.epochs and not run.stops_early():
+        epoch = position.epoch
         train_sampler.set_epoch(epoch)  # without it every epoch would repeat the first epoch's order
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_except_frozen_batchnorm(model)
@@ -279,6 +281,8 @@ def main(args):
             if step == steps_per_epoch:  # leftover micro-batches that cannot fill an optimizer step
                 break
             if stop.agreed():  # a vote before each micro-step: every rank stops at the same one, saved below
+                break
+            if run.evaluation_due(position):  # --eval-every: evaluated below, then the epoch goes on
                 break
             utils.seed_step(args.seed, epoch, micro_step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
@@ -313,8 +317,9 @@ def main(args):
                 run.save(model.module, ema, optimizer, position)
             return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
-        is_best = run.new_best(metrics)
-        position.end_epoch()  # the next epoch starts at its first sample
+        is_best = run.new_best(metrics, position.global_step)
+        if position.step == steps_per_epoch:  # the epoch is done (not an evaluation within it)
+            position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model.module, position.epoch):  # other parameters train from now:
             # DDP syncs the gradients of those that trained when it wrapped the model: wrap it anew
             model = DDP(model.module, device_ids=None if device.type == "cpu" else [device.index])

@@ -216,7 +216,9 @@ def main(args):
     log.add_training_images(train_loader.dataset, position.epoch)
     profiler = reporting.Profiler(run.dir, args.profile)
     metrics = None
-    for epoch in range(position.epoch, args.epochs):
+    # An epoch, or its part up to an evaluation (--eval-every); --early-stop may end training sooner
+    while position.epoch < args.epochs and not run.stops_early():
+        epoch = position.epoch
         shuffle.manual_seed(args.seed + epoch)
         position.start_epoch(epoch)  # the loader skips the samples that a resumed run had done
         utils.train_except_frozen_batchnorm(model)
@@ -224,6 +226,8 @@ def main(args):
         batches = utils.loader_iterator(train_loader)  # iter(train_loader), safe from a signal during its forks
         for step, (inputs, targets) in enumerate(log.timed(batches), start=position.step):
             if stop.agreed():  # checked before each step: the state after the last one is saved below
+                break
+            if run.evaluation_due(position):  # --eval-every: evaluated below, then the epoch goes on
                 break
             utils.seed_step(args.seed, epoch, step)  # Dropout & co. draw from (seed, rank, step)
             inputs, targets = utils.to_device((inputs, targets), device)
@@ -249,8 +253,9 @@ def main(args):
             run.save(model, ema, optimizer, position)
             return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
-        is_best = run.new_best(metrics)
-        position.end_epoch()  # the next epoch starts at its first sample
+        is_best = run.new_best(metrics, position.global_step)
+        if position.step == steps_per_epoch:  # the epoch is done (not an evaluation within it)
+            position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model, position.epoch):  # other parameters train from now
             optimizer = build_optimizer(args, model, lr)
             base_lrs = [group["lr"] for group in optimizer.param_groups]

@@ -92,6 +92,15 @@ def get_args_parser(description):
     parser.add_argument("--output-dir", help="default: a new folder runs/<script>-<date>-<time>")
     parser.add_argument("--resume", help="checkpoint to continue from, or 'auto': <output-dir>/last.pt if it exists")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N optimizer steps")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also evaluate (and save) every N optimizer steps (0: epoch ends only)",
+    )
+    parser.add_argument(
+        "--early-stop", type=int, default=0, metavar="K", help="end training after K evaluations without a new best"
+    )
     parser.add_argument("--test-only", action="store_true", help="only evaluate the checkpoint given by --resume")
     parser.add_argument(
         "--device", help="cpu, cuda, cuda:N, xpu, mps (default: the accelerator torch finds, else the CPU)"
@@ -112,7 +121,17 @@ def check_args(args):
     """The shared arguments checked; returns a copy with the defaults that depend on the machine filled in."""
     args = argparse.Namespace(**vars(args))
     positive = ("epochs", "batch_size", "img_size", "print_freq", "accum_steps", "dist_timeout", "lr")
-    others = ("workers", "save_every", "profile", "seed", "clip_grad", "hsdp", "weight_decay")
+    others = (
+        "workers",
+        "save_every",
+        "eval_every",
+        "early_stop",
+        "profile",
+        "seed",
+        "clip_grad",
+        "hsdp",
+        "weight_decay",
+    )
     for name in (*positive, *others):  # every rung's numbers, and the built-in task's
         value = getattr(args, name, None)  # None: a flag this rung does not have, or a default filled in below
         if value is not None and not (math.isfinite(value) and (value > 0 if name in positive else value >= 0)):
@@ -558,6 +577,8 @@ class Run:
         self.dir, self.resume = guards.resolve_run(args, script)
         self.new = not args.output_dir and self.resume is None  # runs/<script>-<date>-<time>, to be made (claim)
         self.best = None  # the best value of the metric so far
+        self.evaluated_at = 0  # the global step of the last evaluation recorded
+        self.evaluations_since_best = 0  # (--early-stop)
         self.classes = None
         self.resuming = ""  # for the start-up line: where a resumed run continues
         self.more = {}  # other objects whose state a checkpoint keeps (add_state)
@@ -610,6 +631,8 @@ class Run:
             )
         position.load_state_dict(checkpoint)
         self.best = checkpoint["best"]
+        self.evaluated_at = checkpoint.get("evaluated_at", 0)
+        self.evaluations_since_best = checkpoint.get("evaluations_since_best", 0)
         self.resuming = f"\nresuming from {self.resume}: {position} (at global batch {checkpoint['global_batch']})"
         return checkpoint
 
@@ -633,11 +656,35 @@ class Run:
         if int(os.environ.get("RANK", 0)) == 0:
             write_json(self.dir / "class_indices.json", dict(enumerate(self.classes)))
 
-    def new_best(self, metrics):
-        """Whether metrics beat the best so far (then they are the best): best.pt is written with this epoch."""
+    def evaluation_due(self, position):
+        """Whether --eval-every asks for an evaluation before the next step: within an epoch (its end has its own),
+        and not recorded yet (a stop that cut it short leaves it to the resumed run, which makes it first)."""
+        every, step = getattr(self.args, "eval_every", 0), position.global_step
+        due = every and step % every == 0 and step not in (0, self.evaluated_at)
+        return bool(due) and position.step < position.steps_per_epoch
+
+    def new_best(self, metrics, step):
+        """The evaluation after global step `step`, recorded: whether its metrics beat the best so far (then they are
+        the best, and best.pt is written with this state)."""
+        self.evaluated_at = step
         if not beats_best(metrics, self.metric, self.best, self.higher_is_better):
+            self.evaluations_since_best += 1
             return False
         self.best = metrics[self.metric]
+        self.evaluations_since_best = 0
+        return True
+
+    def stops_early(self):
+        """Whether --early-stop K ends training here: K evaluations in a row without a new best (said on rank 0)."""
+        patience = getattr(self.args, "early_stop", 0)
+        if not patience or self.evaluations_since_best < patience:
+            return False
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"stopping early: val {self.metric} has not beaten its best ({self.best:.4f}) in {patience} "
+                f"evaluations (--early-stop {patience})",
+                flush=True,
+            )
         return True
 
     def save(self, model, ema, optimizer, position, is_best=False):
@@ -650,6 +697,8 @@ class Run:
             **{name: state_of(value) for name, value in self.more.items()},
             **position.state_dict(),  # epoch, samples done, global batch
             "best": self.best,
+            "evaluated_at": self.evaluated_at,
+            "evaluations_since_best": self.evaluations_since_best,
             "run_id": self.run_id,
             "args": vars(self.args),
             "classes": self.classes,

@@ -30,6 +30,7 @@ from support import (
     in_this_process,
     job_env,
     load_model_state,
+    read_until,
     run,
     start,
 )
@@ -710,3 +711,50 @@ def test_a_resume_onto_changed_data_is_refused_and_onto_moved_data_continues(tmp
         f"start a new run from its weights (--weights, a new --output-dir)\n"
     ), grown.stderr
     assert "Traceback" not in grown.stderr and not (tmp_path / "grown-run" / "last.pt").exists()
+
+
+def test_evaluation_every_n_steps_resumes_bitwise_and_early_stopping_ends_the_run(tiny_data, tmp_path):
+    """--eval-every 2 on 6 steps an epoch: an evaluation (and a save) at steps 2, 4 and each epoch's end, training on in
+    train mode after each. SIGTERM as step 4 ends: whether it lands before that evaluation, in it or after it, the
+    evaluation is recorded once (a cut-short one by the resumed run, first); SIGTERM once step 10's evaluation is
+    printed: the resumed run does not make it again. The resumed run ends bitwise where the uninterrupted one does,
+    with the same metrics.jsonl and best.pt. --early-stop 2 with an LR that learns nothing
+    ends the run after the third evaluation, with its line and results.json, and a resume of it trains no more."""
+    args = [sys.executable, SCRIPT, *FAST, "--epochs", "3", "--eval-every", "2", "--data-path", tiny_data]
+    whole = run([*args, "--output-dir", tmp_path / "whole"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    evaluations = [json.loads(line)["step"] for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [step for step in evaluations if evaluations.count(step) == 2]  # a step's line and its evaluation's
+    assert sorted(set(evaluations)) == list(range(2, 19, 2)), evaluations
+
+    # SIGTERM as step 4 ends (its evaluation not yet recorded, or cut short), then, resumed, once step 10's evaluation
+    # is printed (recorded, and saved just after it): each stop is one line, and each evaluation is made once
+    for trigger, resume in (("epoch 1/3  step 4/6", []), ("epoch 2/3  val", ["--resume", "auto"])):
+        job, lines = start([*args, "--output-dir", tmp_path / "run", *resume]), []
+        seen = read_until(job, lines, trigger)
+        if seen and resume:  # the second evaluation of epoch 2: step 10's
+            seen = read_until(job, lines, trigger)
+        if seen:
+            job.send_signal(signal.SIGTERM)
+        output = finish(job, lines, timeout=120)
+        assert seen and job.returncode == 143 and "stopped by SIGTERM after step" in output, output[-2000:]
+    resumed = run([*args, "--output-dir", tmp_path / "run", "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for name in ("last.pt", "best.pt"):
+        assert_same_weights(load_model_state(tmp_path / "run" / name), load_model_state(tmp_path / "whole" / name))
+
+    def logged(folder):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "data_wait")} for line in lines
+        ]
+
+    assert logged(tmp_path / "run") == logged(tmp_path / "whole")
+
+    still = [*args, "--freeze", "--lr", "1e-12", "--early-stop", "2", "--eval-every", "1"]
+    still += ["--output-dir", tmp_path / "early"]
+    early = run(still)
+    assert early.returncode == 0 and "stopping early: val acc has not beaten its best" in early.stdout, early.stdout
+    assert early.stdout.count("val loss") == 3 and (tmp_path / "early" / "results.json").is_file(), early.stdout
+    again = run([*still, "--resume", tmp_path / "early" / "last.pt", "--output-dir", tmp_path / "again"])
+    assert again.returncode == 0 and "  step " not in again.stdout, again.stdout[-2000:]
