@@ -96,10 +96,11 @@ def datasets(args):
     if not 0 < args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     img_size = args.img_size or (64 if args.data_path is None else 224)
-    batch_bytes = args.batch_size * 3 * img_size**2 * 4  # a batch of float images, before any activation
+    batch = getattr(args, "batch_size", 1)
+    batch_bytes = batch * 3 * img_size**2 * 4  # a batch of float images, before any activation
     if batch_bytes > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         raise UsageError(
-            f"--img-size {img_size}: a batch of {args.batch_size} such images takes {batch_bytes / 2**30:.0f} GiB, "
+            f"--img-size {img_size}: a batch of {batch} such images takes {batch_bytes / 2**30:.0f} GiB, "
             f"more than this machine's memory; give a smaller --img-size (224 is ImageNet's)"
         )
     if codec_missing and int(os.environ.get("RANK", 0)) == 0:

@@ -317,8 +317,9 @@ def main(args):
                 run.save(model.module, ema, optimizer, position)
             return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
+        within_epoch = run.evaluation_due(position)  # (--eval-every's: the epoch goes on after it)
         is_best = run.new_best(metrics, position.global_step)
-        if position.step == steps_per_epoch:  # the epoch is done (not an evaluation within it)
+        if not within_epoch:
             position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model.module, position.epoch):  # other parameters train from now:
             # DDP syncs the gradients of those that trained when it wrapped the model: wrap it anew

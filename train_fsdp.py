@@ -348,8 +348,9 @@ def main(args):
             save_sharded(run, model, ema, optimizer, position)  # every rank: each writes its shards
             return stop.exit(position.global_step, run.dir)  # one line; exit status 128 + the signal
         log.end_epoch(position.global_step, metrics)
+        within_epoch = run.evaluation_due(position)  # (--eval-every's: the epoch goes on after it)
         is_best = run.new_best(metrics, position.global_step)
-        if position.step == steps_per_epoch:  # the epoch is done (not an evaluation within it)
+        if not within_epoch:
             position.end_epoch()  # the next epoch starts at its first sample
         if utils.new_stage(set_trainable, args, model, position.epoch):  # other parameters train from now: FSDP
             # reduce-scatters the gradients of those that require one at each step, so the sharding stays
