@@ -638,9 +638,11 @@ class Metrics:
     higher_is_better = True
 
     def __init__(self, names, device):
-        self.sums = {"nll": torch.zeros(1, dtype=torch.float64, device=device),
-                     "hits": torch.zeros(1, dtype=torch.int64, device=device),
-                     "tokens": torch.zeros(1, dtype=torch.int64, device=device)}
+        self.sums = {
+            "nll": torch.zeros(1, dtype=torch.float64, device=device),
+            "hits": torch.zeros(1, dtype=torch.int64, device=device),
+            "tokens": torch.zeros(1, dtype=torch.int64, device=device),
+        }
 
     def update(self, outputs, targets):
         self.sums["nll"] += F.cross_entropy(outputs.flatten(0, 1).double(), targets.flatten(), reduction="sum")
