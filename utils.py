@@ -940,7 +940,12 @@ class Logger:
                 self.jsonl = output_dir / "metrics.jsonl"
                 if self.jsonl.exists():
                     lines = self.jsonl.read_text().splitlines(keepends=True)
-                    kept = "".join(line for line in lines if json.loads(line)["step"] <= position.global_step)
+                    # (a line cut short by a kill mid-write has no newline: dropped, never parsed)
+                    kept = "".join(
+                        line
+                        for line in lines
+                        if line.endswith("\n") and json.loads(line)["step"] <= position.global_step
+                    )
                     atomic_write(self.jsonl, lambda f: f.write(kept.encode()))
             LOGGERS.add(self)
             threading.excepthook = reporting.quiet_tensorboard_thread
